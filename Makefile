@@ -1,0 +1,21 @@
+# The two commands: `make demo` runs the main job, `make test` runs the tests. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml launch/setup_env.sh
+	bash launch/setup_env.sh $(VENV)
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m prime.train --config configs/cpu-demo.toml --run-dir runs/demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf runs .pytest_cache

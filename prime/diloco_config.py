@@ -1,0 +1,20 @@
+"""Configuration of DiLoCo's outer loop (used once a run has more than one node)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DilocoConfig(BaseModel):
+    """Outer loop: every `inner_steps` steps, nodes average pseudo-gradients and take an outer step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps between outer steps.")
+    outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
+    compression: Literal["int8", "bf16", "none"] = Field(
+        "int8", description="Wire format of the pseudo-gradient all-reduce (accumulation is always fp32)."
+    )

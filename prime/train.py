@@ -1,0 +1,77 @@
+"""Entry point of one node: `python -m prime.train --config configs/debug.toml [--section.key value ...]`.
+
+Works as a single process and under `torchrun --nproc-per-node N -m prime.train ...`.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+from prime.cli import setup_logging, split_overrides
+from prime.config import ConfigError, describe_fields, load_config
+
+USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--resume] [--quiet] [--section.key VALUE ...]
+
+Trains one node. Under torchrun, every local rank runs this and the node shards the model with FSDP2.
+
+examples:
+  python -m prime.train --config configs/debug.toml --train.max_steps 50
+  torchrun --nproc-per-node 2 -m prime.train --config configs/cpu-demo.toml --optim.lr 3e-4
+  python -m prime.train --config configs/cpu-demo.toml --run-dir runs/demo --resume
+
+options:
+  --config FILE      TOML file choosing values (configs/*.toml); defaults otherwise
+  --run-dir DIR      where metrics.jsonl, logs and checkpoints go (default runs/NAME)
+  --resume           continue from the newest complete checkpoint in the run directory
+  --quiet            no progress bar
+  -h, --help         this text
+
+config fields (override any with --section.key VALUE):
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(USAGE + "\n".join(describe_fields()))
+        return 0
+    flags, overrides = split_overrides(argv, {"config", "run-dir"}, {"resume", "quiet"})
+    try:
+        config = load_config(flags.get("config"), overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging()
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+
+    import torch
+
+    from prime.distributed import close_local_group, init_local_group
+    from prime.trainer import Trainer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    run_dir = Path(flags.get("run-dir") or Path("runs") / config.name)
+    group = init_local_group(config.train.device)
+    try:
+        try:
+            trainer = Trainer(config, group, run_dir, resume=bool(flags.get("resume")), quiet=bool(flags.get("quiet")))
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if group.is_leader:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
+        record = trainer.run()
+        trainer.close()
+        if group.is_leader:
+            print(f"done: step {record.get('step')} loss {record.get('loss')} eval_loss {record.get('eval_loss')} "
+                  f"-> {run_dir}", file=sys.stderr)
+    finally:
+        close_local_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The inner training loop of one node: AdamW steps over packed sequences, eval, checkpoints, metrics.
+
+The loop itself stays plain. Whatever happens between inner steps (DiLoCo's outer step, later) attaches
+through `StepHook`, never through branches in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from prime.checkpoint import CheckpointStore
+from prime.config import JobConfig
+from prime.data.loader import (BatchIterator, DataPosition, PackedSequenceStream, eval_shards,
+                               train_and_eval_files, worker_shards)
+from prime.data.tokenizer import load_tokenizer
+from prime.distributed import LocalGroup
+from prime.flops import peak_flops
+from prime.metrics import MetricsWriter, Progress
+from prime.model import build_model, count_parameters, flops_per_token
+from prime.optim import build_optimizer
+from prime.parallelize import compute_dtype, parallelize, uses_fsdp
+
+log = logging.getLogger(__name__)
+
+
+class StepHook(Protocol):
+    """Called after every inner step; may change the model and returns a metrics record or None."""
+
+    def after_step(self, trainer: "Trainer", step: int) -> dict | None: ...
+
+
+class Trainer:
+    def __init__(self, config: JobConfig, group: LocalGroup, run_dir: Path, resume: bool = False,
+                 quiet: bool = False, hooks: list[StepHook] | None = None) -> None:
+        config.check_world(group.world_size)
+        self.config, self.group, self.run_dir = config, group, Path(run_dir)
+        self.hooks = hooks or []
+        self.prefix = "[node]"
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        config.check_tokenizer(self.tokenizer.vocab_size, self.tokenizer.eos_id)
+        self.dtype = compute_dtype(config.train.precision, group.device)
+        self.accumulation = config.grad_accumulation_steps(group.world_size)
+
+        model = build_model(config.model, config.train.seed, group.device)
+        self.num_params = count_parameters(model)
+        self.model = parallelize(model, group.device, group.world_size, self.dtype,
+                                 config.train.activation_checkpointing, config.train.shard_single_rank)
+        self.sharded = uses_fsdp(group.world_size, config.train.shard_single_rank)
+        self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.max_steps)
+        self.checkpoints = CheckpointStore(Path(config.checkpoint.dir or self.run_dir / "checkpoints"),
+                                           config.checkpoint.keep, group.rank, group.world_size)
+        self.step, self.tokens_seen, position = 0, 0, DataPosition()
+        if resume:
+            position = self._restore()
+
+        train_files, self.eval_files = train_and_eval_files(config.data)
+        shards = worker_shards(config.data, train_files, group.rank, group.world_size)
+        self.stream = PackedSequenceStream(shards, self.tokenizer, config.train.seq_len,
+                                           config.data.text_field, position)
+        self.batches = BatchIterator(self.stream, config.train.micro_batch_size)
+
+        self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
+        self.peak = config.train.peak_tflops * 1e12 if config.train.peak_tflops else peak_flops(group.device, self.dtype)
+        self.metrics = MetricsWriter(self.run_dir, config.metrics, config.name, enabled=group.is_leader,
+                                     wandb_config=config.model_dump())
+        self.progress = Progress(config.train.max_steps, self.step,
+                                 enabled=group.is_leader, quiet=quiet or not config.metrics.progress,
+                                 every=config.train.log_every, prefix=self.prefix)
+        if group.is_leader:
+            log.info("%s model %.2fM params, %d local rank(s) on %s, %s, batch %d × %d tokens, %d accumulation step(s)",
+                     self.prefix, self.num_params / 1e6, group.world_size, group.device, self.dtype,
+                     config.train.batch_size, config.train.seq_len, self.accumulation)
+
+    def _restore(self) -> DataPosition:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            log.info("%s --resume: no checkpoint in %s yet, starting from step 0", self.prefix, self.checkpoints.root)
+            return DataPosition()
+        trainer_state, rank_state = self.checkpoints.load(latest, self.model, self.optimizer)
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        log.info("%s resumed from %s at step %d", self.prefix, latest, self.step)
+        return DataPosition.from_dict(rank_state["data"])
+
+    def save_checkpoint(self) -> Path:
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
+                         "scheduler": self.scheduler.state_dict(), "config": self.config.model_dump(mode="json")}
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state,
+                                     {"data": self.batches.position.to_dict()})
+        self.progress.note(f"checkpoint step {self.step} written to {path}")
+        return path
+
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        autocast = self.dtype != torch.float32 and not self.sharded  # FSDP2's policy casts when sharded
+        with torch.autocast(self.group.device.type, dtype=self.dtype, enabled=autocast):
+            logits = self.model(input_ids=inputs).logits
+        logits = logits.float()  # (B, T, V); the loss is always computed in fp32
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.config.train.z_loss == 0:
+            return ce, ce
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return ce + self.config.train.z_loss * z, ce
+
+    def train_step(self) -> dict:
+        """One optimizer step over `batch_size` sequences of this node."""
+        started = time.perf_counter()
+        self.model.train()
+        ce_sum = torch.zeros((), device=self.group.device)
+        for micro in range(self.accumulation):
+            inputs, labels = (t.to(self.group.device, non_blocking=True) for t in next(self.batches))
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce-scatter gradients once per step, not once per micro-batch.
+                self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
+            loss, ce = self._loss(inputs, labels)
+            (loss / self.accumulation).backward()
+            ce_sum += ce.detach()
+        clip = self.config.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        stats = torch.stack([ce_sum / self.accumulation, grad_norm.to(ce_sum)])
+        dist.all_reduce(stats, op=dist.ReduceOp.AVG) if self.group.world_size > 1 else None
+        self.step += 1
+        tokens = self.config.train.batch_size * self.config.train.seq_len
+        self.tokens_seen += tokens
+        elapsed = time.perf_counter() - started
+        tokens_per_s = tokens / elapsed
+        loss_value = stats[0].item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(
+                f"loss became {loss_value} at step {self.step}; lower optim.lr or raise optim.warmup_steps, "
+                "then resume from the last checkpoint with --resume"
+            )
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.group.world_size) if self.peak else None
+        return {"step": self.step, "loss": round(loss_value, 5), "lr": lr, "grad_norm": round(stats[1].item(), 4),
+                "tokens": self.tokens_seen, "tokens_per_s": round(tokens_per_s, 1),
+                "mfu": round(mfu, 4) if mfu is not None else None, "step_s": round(elapsed, 4)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss on the held-out split; every call sees the same sequences."""
+        self.model.eval()
+        shards = eval_shards(self.eval_files, self.group.rank, self.group.world_size)
+        stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
+                                      self.config.data.text_field, loop=True)
+        batches = BatchIterator(stream, self.config.train.micro_batch_size)
+        total = torch.zeros((), device=self.group.device)
+        for _ in range(self.config.train.eval_batches):
+            inputs, labels = (t.to(self.group.device) for t in next(batches))
+            total += self._loss(inputs, labels)[1]
+        total /= self.config.train.eval_batches
+        if self.group.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        return total.item()
+
+    def run(self) -> dict:
+        """Trains to train.max_steps; returns the last step's record (with the last eval loss)."""
+        train, every = self.config.train, self.config.checkpoint.every
+        record: dict = {}
+        while self.step < train.max_steps:
+            record = self.train_step()
+            for hook in self.hooks:
+                extra = hook.after_step(self, self.step)
+                if extra:
+                    self.metrics.write(extra)
+            last = self.step == train.max_steps
+            if (train.eval_every and self.step % train.eval_every == 0) or last:
+                record["eval_loss"] = round(self.evaluate(), 5)
+                self.metrics.write({"step": self.step, "eval_loss": record["eval_loss"], "tokens": self.tokens_seen})
+                self.progress.note(f"step {self.step} eval_loss {record['eval_loss']:.4f}")
+            self.metrics.write({k: v for k, v in record.items() if k != "eval_loss"})
+            self.progress.update(self.step, f"loss {record['loss']:.3f} {record['tokens_per_s']:.0f} tok/s")
+            if (every and self.step % every == 0) or last:
+                self.save_checkpoint()
+        return record
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

@@ -1,0 +1,45 @@
+"""Shared fixtures: a small real corpus, and a way to run prime under a real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """The built-in corpus (stdlib sources), prepared by the real preparation code, 8 shards."""
+    from prime.data.builtin_corpus import prepare
+
+    return prepare(tmp_path_factory.mktemp("corpus") / "builtin", shards=8)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PRIME_PLAIN_LOGS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs `prime.train` as a real process (under torchrun when nproc > 1); fails with its output."""
+    if nproc > 1:
+        cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "prime.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "prime.train", *args]
+    result = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

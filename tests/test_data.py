@@ -1,0 +1,108 @@
+"""Data: real files through `datasets`, packing with EOS, disjoint ranks, exact resume."""
+
+import json
+
+import pytest
+import torch
+
+from prime.data.loader import (BatchIterator, DataConfig, DataPosition, PackedSequenceStream, eval_shards,
+                               train_and_eval_files, worker_shards)
+from prime.data.shards import Shard, iter_documents, iter_records, make_shards
+from prime.data.tokenizer import ByteTokenizer
+
+
+def _write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(docs)))
+    return path
+
+
+def test_packing_joins_documents_with_eos(tmp_path):
+    _write_jsonl(tmp_path / "a.jsonl", ["abc", "defgh", "ij"])
+    tok = ByteTokenizer()
+    stream = PackedSequenceStream([Shard(str(tmp_path / "a.jsonl"))], tok, seq_len=4, loop=False)
+    windows = [w.tolist() for w in stream]
+    eos = tok.eos_id
+    flat = [*b"abc", eos, *b"defgh", eos, *b"ij", eos]
+    # Windows of seq_len + 1 that overlap by one token (the last input's label is the next window's first).
+    assert windows == [flat[0:5], flat[4:9], flat[8:13]]
+
+
+def test_builtin_corpus_is_real_text(corpus):
+    train, evals = train_and_eval_files(DataConfig(path=str(corpus)))
+    assert len(train) == 8 and len(evals) == 1
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    assert manifest["train_documents"] > 300 and manifest["eval_documents"] > 0
+    train_ids = {json.loads(line)["id"] for f in train for line in open(f)}
+    eval_ids = {json.loads(line)["id"] for f in evals for line in open(f)}
+    assert not train_ids & eval_ids
+    assert any("import" in text for _, text in iter_documents(Shard(train[0]), "text"))
+
+
+def test_ranks_read_disjoint_documents(corpus):
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    seen = []
+    for rank in range(3):
+        docs = set()
+        for shard in worker_shards(DataConfig(parts_per_file=2), train, rank, 3):
+            docs |= {doc_id for _, _, doc_id in iter_records(shard, "text")}
+        seen.append(docs)
+    assert sum(map(len, seen)) > 300
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
+
+
+def test_too_few_shards_for_workers_is_explained(corpus):
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    with pytest.raises(ValueError, match="raise data.parts_per_file to at least 2"):
+        worker_shards(DataConfig(), train, 0, 16)
+
+
+def test_resume_sees_exactly_the_same_batches(corpus):
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    shards = worker_shards(DataConfig(), train, 1, 2)
+    tok = ByteTokenizer()
+    straight = BatchIterator(PackedSequenceStream(shards, tok, seq_len=128), micro_batch_size=4)
+    expected, positions = [], []
+    for _ in range(60):
+        expected.append(next(straight)[0])
+        positions.append(straight.position.to_dict())
+    # Positions cross document and shard boundaries within these 60 batches.
+    assert len({p["document"] for p in positions}) > 1
+    for cut in (7, 31):
+        resumed = BatchIterator(PackedSequenceStream(shards, tok, 128, position=DataPosition.from_dict(
+            json.loads(json.dumps(positions[cut])))), micro_batch_size=4)
+        for i in range(cut + 1, 60):
+            assert torch.equal(next(resumed)[0], expected[i]), f"batch {i} differs after resuming at {cut}"
+
+
+def test_epochs_wrap_around(tmp_path):
+    _write_jsonl(tmp_path / "a.jsonl", ["x" * 30, "y" * 30])
+    stream = PackedSequenceStream([Shard(str(tmp_path / "a.jsonl"))], ByteTokenizer(), seq_len=10)
+    it = iter(stream)
+    for _ in range(8):
+        next(it)
+    assert stream.position.epoch >= 1
+
+
+def test_parquet_and_text_files(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"content": ["parquet doc one", "parquet doc two"]}).to_parquet(tmp_path / "p.parquet")
+    (tmp_path / "t.txt").write_text("a whole text file is one document\nwith lines")
+    docs = [t for _, t in iter_documents(Shard(str(tmp_path / "p.parquet")), "content")]
+    assert docs == ["parquet doc one", "parquet doc two"]
+    text = [t for _, t in iter_documents(Shard(str(tmp_path / "t.txt")), "text")]
+    assert text == ["a whole text file is one document\nwith lines"]
+
+
+def test_missing_text_field_is_named(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(KeyError, match="set data.text_field"):
+        list(iter_documents(Shard(str(tmp_path / "a.jsonl")), "text"))
+
+
+def test_shards_split_a_file(tmp_path):
+    _write_jsonl(tmp_path / "a.jsonl", [str(i) for i in range(10)])
+    parts = make_shards([str(tmp_path / "a.jsonl")], 3)
+    got = [[t for _, t in iter_documents(s, "text")] for s in parts]
+    assert got == [["0", "3", "6", "9"], ["1", "4", "7"], ["2", "5", "8"]]
+    assert eval_shards([str(tmp_path / "a.jsonl")], 1, 2) == [Shard(str(tmp_path / "a.jsonl"), 1, 2)]
