@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml launch/setup_env.sh
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m prime.train --config configs/cpu-demo.toml --run-dir runs/demo
+	rm -rf runs/demo
+	$(PY) launch/local.py --nodes 2 --config configs/cpu-demo.toml --run-dir runs/demo
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

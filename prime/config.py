@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from elastic_mesh.mesh import MeshConfig
+from prime.chaos import ChaosConfig
 from prime.checkpoint import CheckpointConfig
 from prime.data.loader import DataConfig
 from prime.diloco_config import DilocoConfig
@@ -38,6 +40,8 @@ class JobConfig(BaseModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     diloco: DilocoConfig = Field(default_factory=DilocoConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> "JobConfig":

@@ -18,3 +18,9 @@ class DilocoConfig(BaseModel):
     compression: Literal["int8", "bf16", "none"] = Field(
         "int8", description="Wire format of the pseudo-gradient all-reduce (accumulation is always fp32)."
     )
+    outlier_factor: float = Field(
+        10.0, gt=1, description="A pseudo-gradient whose norm is over this × the others' median is refused."
+    )
+    data_slots: int = Field(
+        8, ge=1, description="Nodes the data is split for: node i reads slot i % data_slots (issue: shard leases)."
+    )

@@ -10,10 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class OptimConfig(BaseModel):
-    """AdamW and the learning-rate schedule of the inner loop."""
+    """The inner optimizer (AdamW) and its learning-rate schedule."""
 
     model_config = ConfigDict(extra="forbid")
 
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Inner optimizer (sgd: for exactness tests).")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
@@ -60,6 +61,9 @@ def build_optimizer(
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
+    if config.name == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=config.lr)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(config, s, total_steps))
     return optimizer, scheduler

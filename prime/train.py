@@ -5,6 +5,7 @@ Works as a single process and under `torchrun --nproc-per-node N -m prime.train 
 
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -12,18 +13,23 @@ from pathlib import Path
 from prime.cli import setup_logging, split_overrides
 from prime.config import ConfigError, describe_fields, load_config
 
-USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--resume] [--quiet] [--section.key VALUE ...]
+USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--join TOKEN [--name NAME]] [--resume] [--quiet]
+                              [--section.key VALUE ...]
 
 Trains one node. Under torchrun, every local rank runs this and the node shards the model with FSDP2.
+With --join, the node is one DiLoCo replica of a multi-node run (the token names the coordinator).
 
 examples:
   python -m prime.train --config configs/debug.toml --train.max_steps 50
   torchrun --nproc-per-node 2 -m prime.train --config configs/cpu-demo.toml --optim.lr 3e-4
   python -m prime.train --config configs/cpu-demo.toml --run-dir runs/demo --resume
+  torchrun --nproc-per-node 8 -m prime.train --config configs/10B.toml --join prime1.eyJj...
 
 options:
   --config FILE      TOML file choosing values (configs/*.toml); defaults otherwise
   --run-dir DIR      where metrics.jsonl, logs and checkpoints go (default runs/NAME)
+  --join TOKEN       join a multi-node run (token from: python -m elastic_mesh.coordinator token create)
+  --name NAME        this node's name in the run (default: the host name)
   --resume           continue from the newest complete checkpoint in the run directory
   --quiet            no progress bar
   -h, --help         this text
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(USAGE + "\n".join(describe_fields()))
         return 0
-    flags, overrides = split_overrides(argv, {"config", "run-dir"}, {"resume", "quiet"})
+    flags, overrides = split_overrides(argv, {"config", "run-dir", "join", "name"}, {"resume", "quiet"})
     try:
         config = load_config(flags.get("config"), overrides)
     except ConfigError as e:
@@ -48,27 +54,42 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from elastic_mesh.client import CoordinatorError
+    from elastic_mesh.token import TokenError
     from prime.distributed import close_local_group, init_local_group
+    from prime.node import attach_to_run
     from prime.trainer import Trainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     run_dir = Path(flags.get("run-dir") or Path("runs") / config.name)
     group = init_local_group(config.train.device)
+    # torchrun forwards SIGTERM to every rank; unwinding through `finally` lets the node announce it leaves.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    mesh = None
     try:
         try:
             trainer = Trainer(config, group, run_dir, resume=bool(flags.get("resume")), quiet=bool(flags.get("quiet")))
-        except (ConfigError, FileNotFoundError, ValueError) as e:
+            if flags.get("join"):
+                mesh = attach_to_run(trainer, config, str(flags["join"]), flags.get("name"))
+        except (ConfigError, FileNotFoundError, ValueError, TokenError, CoordinatorError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if group.is_leader:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
-        record = trainer.run()
-        trainer.close()
+        try:
+            record = trainer.run()
+        except CoordinatorError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        finally:
+            trainer.close()
         if group.is_leader:
             print(f"done: step {record.get('step')} loss {record.get('loss')} eval_loss {record.get('eval_loss')} "
                   f"-> {run_dir}", file=sys.stderr)
     finally:
+        if mesh is not None:
+            mesh.close(leave=True)
         close_local_group()
     return 0
 

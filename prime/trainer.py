@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class StepHook(Protocol):
-    """Called after every inner step; may change the model and returns a metrics record or None."""
+    """Attaches to the loop: on_start once before the first step, after_step after every inner step
+    (may change the model; returns a metrics record or None)."""
+
+    def on_start(self, trainer: "Trainer") -> None: ...
 
     def after_step(self, trainer: "Trainer", step: int) -> dict | None: ...
 
@@ -57,15 +60,12 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.max_steps)
         self.checkpoints = CheckpointStore(Path(config.checkpoint.dir or self.run_dir / "checkpoints"),
                                            config.checkpoint.keep, group.rank, group.world_size)
-        self.step, self.tokens_seen, position = 0, 0, DataPosition()
+        self.step, self.tokens_seen, self._position = 0, 0, DataPosition()
         if resume:
-            position = self._restore()
-
-        train_files, self.eval_files = train_and_eval_files(config.data)
-        shards = worker_shards(config.data, train_files, group.rank, group.world_size)
-        self.stream = PackedSequenceStream(shards, self.tokenizer, config.train.seq_len,
-                                           config.data.text_field, position)
-        self.batches = BatchIterator(self.stream, config.train.micro_batch_size)
+            self._position = self._restore()
+        self.train_files, self.eval_files = train_and_eval_files(config.data)
+        self._batches: BatchIterator | None = None
+        self.data_worker = (group.rank, group.world_size)
 
         self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
         self.peak = config.train.peak_tflops * 1e12 if config.train.peak_tflops else peak_flops(group.device, self.dtype)
@@ -78,6 +78,28 @@ class Trainer:
             log.info("%s model %.2fM params, %d local rank(s) on %s, %s, batch %d × %d tokens, %d accumulation step(s)",
                      self.prefix, self.num_params / 1e6, group.world_size, group.device, self.dtype,
                      config.train.batch_size, config.train.seq_len, self.accumulation)
+
+    def set_data_worker(self, worker: int, workers: int) -> None:
+        """Which data-parallel worker this rank is among all ranks of all nodes (before the first step)."""
+        if self._batches is not None:
+            raise RuntimeError("the data worker must be chosen before training starts")
+        worker_shards(self.config.data, self.train_files, worker, workers)  # refuse an impossible split now
+        self.data_worker = (worker, workers)
+
+    @property
+    def batches(self) -> BatchIterator:
+        if self._batches is None:
+            shards = worker_shards(self.config.data, self.train_files, *self.data_worker)
+            stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
+                                          self.config.data.text_field, self._position)
+            self._batches = BatchIterator(stream, self.config.train.micro_batch_size)
+        return self._batches
+
+    def jump_to_step(self, step: int) -> None:
+        """Moves the step counter and the LR schedule (a node that joined takes the run's position)."""
+        self.step = step
+        self.scheduler.last_epoch = step - 1
+        self.scheduler.step()
 
     def _restore(self) -> DataPosition:
         latest = self.checkpoints.latest()
@@ -169,6 +191,8 @@ class Trainer:
         """Trains to train.max_steps; returns the last step's record (with the last eval loss)."""
         train, every = self.config.train, self.config.checkpoint.every
         record: dict = {}
+        for hook in self.hooks:
+            hook.on_start(self)
         while self.step < train.max_steps:
             record = self.train_step()
             for hook in self.hooks:

@@ -1,0 +1,111 @@
+"""A node's connection to the coordinator: JSON over HTTP with the node's session, retries, heartbeats.
+
+Every call has an explicit timeout. Connection failures are retried for up to `retry_s`, so a
+coordinator that restarts does not bring nodes down; refusals (4xx) are raised at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request (status >= 400) or could not be reached within retry_s."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Credentials:
+    address: str
+    node_id: str
+    session: str
+    name: str
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, request_timeout_s: float = 30.0, retry_s: float = 120.0) -> None:
+        self.address, self.request_timeout_s, self.retry_s = address, request_timeout_s, retry_s
+        self.credentials: Credentials | None = None
+
+    def post(self, path: str, body: dict, retry: bool = True) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.credentials:
+            headers |= {"X-Prime-Node": self.credentials.node_id, "X-Prime-Session": self.credentials.session}
+        data = json.dumps(body).encode()
+        give_up = time.monotonic() + (self.retry_s if retry else 0)
+        delay = 0.2
+        while True:
+            request = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                try:
+                    message = json.loads(e.read()).get("error", e.reason)
+                except (ValueError, AttributeError):
+                    message = str(e.reason)
+                raise CoordinatorError(message, e.code) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                if time.monotonic() > give_up:
+                    raise CoordinatorError(f"coordinator {self.address} unreachable for {self.retry_s:.0f} s "
+                                           f"({e}); check that it runs and that this node can reach it") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def get_status(self) -> dict:
+        with urllib.request.urlopen(f"http://{self.address}/status", timeout=self.request_timeout_s) as response:
+            return json.loads(response.read())
+
+    def join(self, token: str, **node_facts) -> dict:
+        answer = self.post("/v1/join", {"token": token, **node_facts})
+        self.credentials = Credentials(self.address, answer["node_id"], answer["session"], answer["name"])
+        return answer
+
+    def long_poll(self, path: str, body: dict, done, timeout_s: float) -> dict:
+        """Repeats a long-poll request until done(answer) or timeout_s passes."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            answer = self.post(path, body)
+            if done(answer):
+                return answer
+            if time.monotonic() > give_up:
+                raise CoordinatorError(f"{path} got no answer within {timeout_s:.0f} s")
+
+
+class Heartbeat:
+    """Renews the node's lease in the background; remembers if the coordinator declared it dead."""
+
+    def __init__(self, client: CoordinatorClient, interval_s: float, progress) -> None:
+        self.client, self.interval_s, self.progress = client, interval_s, progress
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.client.post("/v1/heartbeat", self.progress(), retry=False)
+            except CoordinatorError as e:
+                if e.status in (401, 410):
+                    self.lost = str(e)
+                    log.warning("coordinator dropped this node: %s", e)
+                    return
+                # Unreachable: keep training and keep trying; the lease grace covers short outages.
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,73 @@
+"""Coordinator command line.
+
+    python -m elastic_mesh.coordinator serve --port 29400 --state-dir coord/
+    python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+
+from elastic_mesh.coordinator.core import CoordinatorConfig
+from elastic_mesh.coordinator.run import make_token, start_coordinator
+
+
+def _duration(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 90s, 30m, 24h or 7d")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_mesh.coordinator",
+                                     description="The coordinator of a prime run, and its join tokens.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the coordinator",
+                           epilog="example: python -m elastic_mesh.coordinator serve --port 29400 --state-dir coord/")
+    serve.add_argument("--state-dir", required=True, help="SQLite state and the run secret live here")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    serve.add_argument("--port", type=int, default=29400, help="port (0: any free port; see STATE_DIR/address)")
+    serve.add_argument("--advertise", default=None, help="host:port that nodes use to reach this coordinator")
+    serve.add_argument("--run-id", default=None, help="name of the run (default: a new random one)")
+    for name, field in CoordinatorConfig.model_fields.items():
+        serve.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default,
+                           help=f"{field.description} (default {field.default})")
+    token = sub.add_parser("token", help="join tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="print a new join token",
+                                  epilog="example: python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h")
+    create.add_argument("--state-dir", required=True)
+    create.add_argument("--ttl", type=_duration, default=_duration("24h"), help="lifetime, e.g. 30m, 24h (default 24h)")
+    create.add_argument("--address", default=None, help="coordinator host:port to put in the token "
+                                                         "(default: what the running coordinator advertises)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [coordinator] %(message)s", datefmt="%H:%M:%S")
+
+    if args.command == "token":
+        try:
+            print(make_token(args.state_dir, args.ttl, args.address))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    config = CoordinatorConfig(**{k: getattr(args, k) for k in CoordinatorConfig.model_fields})
+    server = start_coordinator(args.state_dir, args.host, args.port, config, args.advertise, args.run_id)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.info("serving run %s on %s (state in %s)", server.coordinator.run_id, server.coordinator.address,
+                 args.state_dir)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""The coordinator's decisions: admission, leases, the members of each outer step, votes, commits.
+
+All methods are called from HTTP handler threads under one lock; long-polls wait on its condition.
+Leases are timed on this process's monotonic clock only: no wall clocks are compared across machines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
+from elastic_mesh.token import TokenError, verify_token
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorConfig(BaseModel):
+    """Time-outs and limits of the control plane."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(6.0, gt=0, description="A node that sends no heartbeat for this long is declared dead.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often nodes are told to send heartbeats.")
+    min_wait_s: float = Field(10.0, ge=0, description="Shortest wait for late nodes at an outer-step barrier.")
+    deadline_factor: float = Field(
+        0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
+    poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
+    start_nodes: int = Field(1, ge=1, description="The first outer step waits until this many nodes are ready.")
+    max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")
+
+
+class Refused(Exception):
+    """A request the coordinator will not carry out; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Ready:
+    at: float
+    contributes: bool
+    needs_state: bool
+
+
+def _hash_session(session: str) -> str:
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
+class Coordinator:
+    def __init__(self, state: CoordinatorState, secret: bytes, run_id: str, config: CoordinatorConfig,
+                 address: str) -> None:
+        self.state, self.secret, self.run_id, self.config, self.address = state, secret, run_id, config, address
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.leases: dict[str, float] = {}
+        self.ready: dict[int, dict[str, Ready]] = defaultdict(dict)
+        self.first_ready: dict[int, float] = {}
+        self.votes: dict[tuple[int, int], dict[str, dict]] = defaultdict(dict)
+        self.round_times: deque[float] = deque(maxlen=20)
+        self.unservable: dict[int, str] = {}
+        self.last_ready_at: dict[str, float] = {}
+        self.started = time.monotonic()
+        with self.state.transaction():
+            self.state.set_meta("run_id", run_id)
+            # Whatever was in flight when the previous process died is re-run from scratch; nothing was
+            # applied, since nodes apply only after an "apply" decision, which is always written first.
+            for step in self.state.steps():
+                if step.decision == "open":
+                    step.decision = "abort"
+                    self.state.put_step(step)
+            restarted = bool(self.state.nodes())
+            if restarted:
+                self.state.event("coordinator restarted; nodes keep their sessions")
+        now = time.monotonic()
+        for node in self.state.nodes():
+            if node.state == "active":
+                self.leases[node.node_id] = now + config.lease_s * 2  # grace for nodes to reconnect
+
+    # ---- admission -------------------------------------------------------------------------------
+    def join(self, body: dict) -> dict:
+        try:
+            verify_token(self.secret, self.run_id, str(body.get("token", "")))
+        except TokenError as e:
+            raise Refused(403, str(e)) from None
+        name = str(body.get("name", ""))[:64] or "node"
+        fingerprint, procs = str(body.get("fingerprint", "")), int(body.get("procs_per_node", 0))
+        model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256]
+        with self.lock, self.state.transaction():
+            run_fp = self.state.get_meta("fingerprint")
+            run_procs = self.state.get_meta("procs_per_node")
+            if run_fp is not None and run_fp != fingerprint:
+                raise Refused(409, f"model/config fingerprint {fingerprint} differs from the run's {run_fp}; "
+                                   "start the node with the run's config (same model, seq_len, tokenizer, seed)")
+            if run_procs is not None and int(run_procs) != procs:
+                raise Refused(409, f"this node runs {procs} processes but the run's nodes run {run_procs} "
+                                   f"(global groups pair shards by local rank); use --nproc-per-node {run_procs}")
+            committed = self.state.committed_step()
+            initial = self.state.get_meta("initial_hash")
+            if committed == 0 and initial is not None and initial != model_hash:
+                raise Refused(409, f"initial weights differ: hash {model_hash} but the run started from {initial}; "
+                                   "use the run's train.seed and model config")
+            if run_fp is None:
+                self.state.set_meta("fingerprint", fingerprint)
+                self.state.set_meta("procs_per_node", procs)
+                self.state.set_meta("initial_hash", model_hash)
+            index = int(self.state.get_meta("next_node_index", "0"))
+            self.state.set_meta("next_node_index", index + 1)
+            session = secrets.token_hex(24)
+            taken = {n.name for n in self.state.nodes()}
+            node = Node(secrets.token_hex(6), f"{name}-{index}" if name in taken else name,
+                        _hash_session(session), index, "active", time.time(), committed, model_hash, address)
+            self.state.put_node(node)
+            self.state.event(f"{node.name} joined at outer step {committed}")
+            self.leases[node.node_id] = time.monotonic() + self.config.lease_s
+            self.changed.notify_all()
+        log.info("%s joined (node index %d) at outer step %d", node.name, index, committed)
+        return {"node_id": node.node_id, "session": session, "name": node.name, "node_index": index,
+                "run_id": self.run_id, "committed_step": committed, "lease_s": self.config.lease_s,
+                "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s}
+
+    def authenticate(self, node_id: str, session: str) -> Node:
+        """The node making a request, or Refused. Every request but join and status goes through here."""
+        node = self.state.node(node_id) if node_id else None
+        if node is None or not hmac.compare_digest(node.session_hash, _hash_session(session or "")):
+            raise Refused(401, "unknown node or wrong session; join again with a valid token")
+        if node.state != "active":
+            raise Refused(410, f"{node.name} was declared {node.state}; join again to continue")
+        return node
+
+    def heartbeat(self, node: Node, body: dict) -> dict:
+        with self.lock:
+            self._expire_leases()
+            if self.state.node(node.node_id).state != "active":
+                raise Refused(410, f"{node.name} was declared dead; join again to continue")
+            self.leases[node.node_id] = time.monotonic() + self.config.lease_s
+        return {"committed_step": self.state.committed_step()}
+
+    def leave(self, node: Node) -> dict:
+        with self.lock, self.state.transaction():
+            node.state = "left"
+            self.state.put_node(node)
+            self.leases.pop(node.node_id, None)
+            self.state.event(f"{node.name} left")
+            self.changed.notify_all()
+        log.info("%s left", node.name)
+        return {"ok": True}
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        expired = [n for n, until in self.leases.items() if until < now]
+        for node_id in expired:
+            del self.leases[node_id]
+            node = self.state.node(node_id)
+            if node and node.state == "active":
+                with self.state.transaction():
+                    node.state = "dead"
+                    self.state.put_node(node)
+                    self.state.event(f"{node.name} declared dead (no heartbeat for {self.config.lease_s:g} s)")
+                log.warning("%s declared dead: no heartbeat for %.1f s", node.name, self.config.lease_s)
+        if expired:
+            self.changed.notify_all()
+
+    def live_nodes(self) -> list[Node]:
+        return [n for n in self.state.nodes() if n.state == "active" and n.node_id in self.leases]
+
+    # ---- the outer-step barrier ----------------------------------------------------------------------
+    def declare_ready(self, node: Node, body: dict) -> dict | None:
+        """Answers go/missed/resync, or None while the members of the step are not fixed yet."""
+        step = int(body["outer_step"])
+        committed = self.state.committed_step()
+        if node.needs_resync and not body.get("needs_state"):
+            return {"status": "resync", "committed_step": committed}
+        if step <= committed:
+            return {"status": "missed", "committed_step": committed}
+        if step > committed + 1:
+            raise Refused(409, f"outer step {step} is ahead of the run (last committed {committed})")
+        if step in self.unservable and body.get("needs_state"):
+            raise Refused(409, self.unservable[step])
+        open_step = self._open_attempt(step)
+        if open_step is not None:
+            for rank, member in enumerate(open_step.members):
+                if member["node_id"] == node.node_id:
+                    return self._go(open_step, rank)
+            return None  # a latecomer waits for the attempt in flight to end
+        if node.node_id not in self.ready[step]:
+            now = time.monotonic()
+            self.unservable.pop(step, None)  # a newcomer may hold the state
+            self.ready[step][node.node_id] = Ready(now, bool(body.get("contributes", True)),
+                                                   bool(body.get("needs_state", False)))
+            self.first_ready.setdefault(step, now)
+            if node.node_id in self.last_ready_at:
+                self.round_times.append(now - self.last_ready_at[node.node_id])
+            self.last_ready_at[node.node_id] = now
+        self._try_fix_members(step)
+        open_step = self._open_attempt(step)
+        if open_step is not None:
+            return self.declare_ready(node, body)
+        return None
+
+    def deadline_s(self) -> float:
+        measured = statistics.median(self.round_times) if self.round_times else 0.0
+        return max(self.config.min_wait_s, self.config.deadline_factor * measured)
+
+    def _open_attempt(self, step: int) -> StepDecision | None:
+        attempts = self.state.steps(step)
+        return attempts[-1] if attempts and attempts[-1].decision == "open" else None
+
+    def _try_fix_members(self, step: int) -> None:
+        self._expire_leases()
+        live = {n.node_id: n for n in self.live_nodes()}
+        ready = {nid: r for nid, r in self.ready[step].items() if nid in live}
+        if not ready:
+            return
+        waited = time.monotonic() - self.first_ready.get(step, time.monotonic())
+        if len(ready) < len(live) and waited < self.deadline_s():
+            return
+        if step == 1 and len(ready) < self.config.start_nodes:
+            return
+        if not any(r.contributes for r in ready.values()):
+            if all(r.needs_state for r in ready.values()) and len(ready) == len(live) and step not in self.unservable:
+                self.unservable[step] = (f"no live node holds outer step {step - 1}; restart the run from a "
+                                         "checkpoint (all nodes that had it are gone)")
+                log.error("%s", self.unservable[step])
+                self.state.event(self.unservable[step])
+                self.changed.notify_all()
+            return
+        members = sorted(ready, key=lambda nid: live[nid].node_index)
+        attempts = self.state.steps(step)
+        previous = self.state.steps()
+        last = previous[-1] if previous else None
+        same = last is not None and last.decision == "apply" and [m["node_id"] for m in last.members] == members
+        epoch = (last.epoch if same else (max(s.epoch for s in previous) + 1 if previous else 1))
+        decision = StepDecision(step, len(attempts) + 1, epoch, [
+            {"node_id": nid, "name": live[nid].name, "contributes": ready[nid].contributes,
+             "needs_state": ready[nid].needs_state} for nid in members], "open")
+        late = [live[nid].name for nid in live if nid not in ready]
+        with self.state.transaction():
+            self.state.put_step(decision)
+            if not same:
+                self.state.store_drop_before_epoch(epoch)
+                self.state.event(f"epoch {epoch}: {len(members)} nodes ({', '.join(m['name'] for m in decision.members)})")
+            if late:
+                self.state.event(f"outer step {step}: left out late node(s) {', '.join(late)} after {waited:.1f} s")
+        self.ready.pop(step, None)
+        self.first_ready.pop(step, None)
+        log.info("outer step %d attempt %d: epoch %d with %d node(s)%s", step, decision.attempt, epoch,
+                 len(members), f", without late {', '.join(late)}" if late else "")
+        self.changed.notify_all()
+
+    def _go(self, step: StepDecision, rank: int) -> dict:
+        source = next((r for r, m in enumerate(step.members) if not m["needs_state"]), None)
+        return {"status": "go", "outer_step": step.outer_step, "attempt": step.attempt, "epoch": step.epoch,
+                "rank": rank, "world_size": len(step.members), "members": step.members, "state_source": source}
+
+    # ---- votes and commits ---------------------------------------------------------------------------
+    def vote(self, node: Node, body: dict) -> dict | None:
+        step, attempt = int(body["outer_step"]), int(body["attempt"])
+        decided = next((s for s in self.state.steps(step) if s.attempt == attempt), None)
+        if decided is None:
+            raise Refused(404, f"outer step {step} attempt {attempt} was never decided")
+        if decided.decision != "open":
+            return {"decision": decided.decision}
+        votes = self.votes[(step, attempt)]
+        votes[node.node_id] = {"ok": bool(body.get("ok")), "refused": dict(body.get("refused") or {}),
+                               "blame": list(body.get("blame") or []), "allreduce_s": body.get("allreduce_s")}
+        self._expire_leases()
+        members = [m["node_id"] for m in decided.members]
+        failed = [nid for nid, v in votes.items() if not v["ok"]]
+        gone = [nid for nid in members if nid not in self.leases and nid not in votes]
+        if failed or gone:
+            self._decide(decided, "abort", votes)
+        elif all(nid in votes for nid in members):
+            self._decide(decided, "apply", votes)
+        else:
+            return None
+        return {"decision": self.state.steps(step)[attempt - 1].decision}
+
+    def _decide(self, step: StepDecision, decision: str, votes: dict[str, dict]) -> None:
+        names = {m["node_id"]: m["name"] for m in step.members}
+        blamed = {b for v in votes.values() for b in v["blame"] if b in names}
+        refused = {nid: why for v in votes.values() for nid, why in v["refused"].items() if nid in names}
+        times = [v["allreduce_s"] for v in votes.values() if isinstance(v.get("allreduce_s"), (int, float))]
+        with self.state.transaction():
+            step.decision = decision
+            self.state.put_step(step, allreduce_s=max(times) if times else None)
+            for nid, why in refused.items():
+                node = self.state.node(nid)
+                node.refused += 1
+                self.state.put_node(node)
+                self.state.event(f"outer step {step.outer_step}: refused {names[nid]}'s pseudo-gradient ({why})")
+            for nid in blamed:
+                node = self.state.node(nid)
+                node.state = "evicted"
+                self.state.put_node(node)
+                self.leases.pop(nid, None)
+                self.state.event(f"outer step {step.outer_step}: evicted {names[nid]} (sent invalid data)")
+            if decision == "apply":
+                for m in step.members:
+                    if m["contributes"] and m["node_id"] not in refused:
+                        node = self.state.node(m["node_id"])
+                        node.contributions += 1
+                        node.outer_step = step.outer_step
+                        self.state.put_node(node)
+            else:
+                failed = [names[n] for n, v in votes.items() if not v["ok"]]
+                self.state.event(f"outer step {step.outer_step} attempt {step.attempt} aborted "
+                                 f"(failed: {', '.join(failed) or 'a member vanished'}); retrying")
+        log.info("outer step %d attempt %d: %s", step.outer_step, step.attempt, decision)
+        self.votes.pop((step.outer_step, step.attempt), None)
+        self.changed.notify_all()
+
+    def commit(self, node: Node, body: dict) -> dict:
+        step, model_hash = int(body["outer_step"]), str(body["model_hash"])[:64]
+        applied = [s for s in self.state.steps(step) if s.decision == "apply"]
+        if not applied:
+            raise Refused(409, f"outer step {step} was not applied; nothing to commit")
+        with self.lock, self.state.transaction():
+            self.state.put_commit(step, node.node_id, model_hash)
+            node = self.state.node(node.node_id)
+            node.model_hash, node.needs_resync = model_hash, 0
+            self.state.put_node(node)
+            hashes = self.state.commits(step)
+            members = {m["node_id"]: m for m in applied[-1].members}
+            counts: dict[str, int] = defaultdict(int)
+            for h in hashes.values():
+                counts[h] += 1
+            majority = max(counts, key=lambda h: (counts[h], -min(
+                self.state.node(n).node_index for n, x in hashes.items() if x == h)))
+            step_row = applied[-1]
+            step_row.model_hash = majority
+            self.state.put_step(step_row)
+            diverged = [n for n, h in hashes.items() if h != majority and n in members]
+            for nid in diverged:
+                bad = self.state.node(nid)
+                if not bad.needs_resync:
+                    bad.needs_resync = 1
+                    self.state.put_node(bad)
+                    self.state.event(f"outer step {step}: {bad.name} diverged (hash {hashes[nid]} != {majority}); "
+                                     "it will resync from a peer")
+                    log.warning("%s diverged at outer step %d; it will resync", bad.name, step)
+        return {"status": "diverged" if node.node_id in diverged else "ok", "majority_hash": majority}
+
+    def tick(self) -> None:
+        """Runs every fraction of a second: expires leases and fixes members whose deadline passed."""
+        with self.lock:
+            self._expire_leases()
+            for step in list(self.ready):
+                self._try_fix_members(step)
+            for (step, attempt), votes in list(self.votes.items()):
+                decided = self.state.steps(step)
+                current = next((s for s in decided if s.attempt == attempt), None)
+                if current and current.decision == "open":
+                    gone = [m["node_id"] for m in current.members
+                            if m["node_id"] not in self.leases and m["node_id"] not in votes]
+                    if gone:
+                        self._decide(current, "abort", votes)
+            for step in self.state.steps():
+                # An attempt whose members all died before voting would stay open for ever.
+                if step.decision == "open" and not any(m["node_id"] in self.leases for m in step.members):
+                    self._decide(step, "abort", self.votes.get((step.outer_step, step.attempt), {}))
+
+    # ---- status ------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.lock:
+            steps = self.state.steps()
+            return {
+                "run_id": self.run_id, "address": self.address,
+                "epoch": max((s.epoch for s in steps), default=0),
+                "committed_step": self.state.committed_step(),
+                "deadline_s": round(self.deadline_s(), 2),
+                "nodes": [{"name": n.name, "node_index": n.node_index, "state": n.state,
+                           "alive": n.node_id in self.leases, "address": n.address, "joined_at": n.joined_at,
+                           "outer_step": n.outer_step, "contributions": n.contributions, "refused": n.refused,
+                           "model_hash": n.model_hash} for n in self.state.nodes()],
+                "steps": self.state.step_summaries(),
+                "events": self.state.events(),
+            }

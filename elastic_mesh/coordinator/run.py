@@ -1,0 +1,58 @@
+"""Starting a coordinator over a state directory, and making tokens for it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from elastic_mesh.coordinator.core import Coordinator, CoordinatorConfig
+from elastic_mesh.coordinator.server import CoordinatorServer
+from elastic_mesh.coordinator.state import CoordinatorState
+from elastic_mesh.token import create_token
+
+
+def _secret(state_dir: Path) -> bytes:
+    path = state_dir / "secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return bytes.fromhex(path.read_text().strip())
+
+
+def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
+                      config: CoordinatorConfig | None = None, advertise: str | None = None,
+                      run_id: str | None = None) -> CoordinatorServer:
+    """Serves in background threads; returns the server (stop() it). Restarting on the same state_dir
+    continues the run."""
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state = CoordinatorState(state_dir / "coordinator.sqlite")
+    existing = state.get_meta("run_id")
+    if run_id and existing and run_id != existing:
+        raise ValueError(f"{state_dir} holds run {existing!r}, not {run_id!r}; use another --state-dir")
+    run_id = existing or run_id or f"run-{secrets.token_hex(4)}"
+    placeholder = Coordinator.__new__(Coordinator)  # the server needs a coordinator before the port is known
+    server = CoordinatorServer(host, port, placeholder)
+    if advertise is None:
+        # Listening on all interfaces says nothing about which address other machines can reach;
+        # production passes --advertise, the single-machine default is loopback.
+        visible = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
+        advertise = f"{visible}:{server.port}"
+    server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise)
+    (state_dir / "address").write_text(advertise)
+    server.start()
+    return server
+
+
+def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None) -> str:
+    state_dir = Path(state_dir)
+    if not (state_dir / "secret").exists():
+        raise FileNotFoundError(f"{state_dir} holds no run; start the coordinator with --state-dir {state_dir} first")
+    state = CoordinatorState(state_dir / "coordinator.sqlite")
+    run_id = state.get_meta("run_id")
+    address = address or ((state_dir / "address").read_text().strip() if (state_dir / "address").exists() else None)
+    if not run_id or not address:
+        raise ValueError(f"the coordinator of {state_dir} has never started; start it, or pass --address HOST:PORT")
+    return create_token(_secret(state_dir), address, run_id, ttl_s)

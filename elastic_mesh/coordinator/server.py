@@ -1,0 +1,165 @@
+"""HTTP front of the coordinator: JSON in, JSON out, every request but join and status authenticated.
+
+Nothing is unpickled; bodies are size-limited; every socket has a read timeout so a silent client
+cannot hold a thread for ever.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from elastic_mesh.coordinator.core import Coordinator, Refused
+
+log = logging.getLogger(__name__)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "CoordinatorServer"
+    timeout = 30  # seconds a client may take to send its request
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # the default writes every request to stderr
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path.rstrip("/") in ("/status", "/v1/status"):
+            return self._reply(200, self.server.coordinator.status())
+        self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+
+    def do_POST(self):
+        coordinator = self.server.coordinator
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return self._reply(400, {"error": "bad Content-Length"})
+        if length < 0 or length > coordinator.config.max_request_bytes:
+            self.close_connection = True
+            return self._reply(413, {"error": f"request of {length} bytes is over the limit of "
+                                              f"{coordinator.config.max_request_bytes}"})
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("body is not a JSON object")
+            if self.path not in _ROUTES:
+                return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+            if self.path == "/v1/join":
+                return self._reply(200, coordinator.join(body))
+            node = coordinator.authenticate(self.headers.get("X-Prime-Node", ""),
+                                            self.headers.get("X-Prime-Session", ""))
+            self._reply(200, _ROUTES[self.path](coordinator, node, body))
+        except Refused as e:
+            self._reply(e.status, {"error": str(e)})
+        except (ValueError, KeyError, TypeError) as e:
+            self._reply(400, {"error": f"malformed request: {type(e).__name__}: {str(e)[:200]}"})
+
+
+def _long_poll(coordinator: Coordinator, attempt) -> dict:
+    """Calls attempt() under the lock until it answers or poll_s passes (then answers 'wait')."""
+    deadline = time.monotonic() + coordinator.config.poll_s
+    with coordinator.lock:
+        while True:
+            answer = attempt()
+            if answer is not None:
+                return answer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"status": "wait"}
+            coordinator.changed.wait(timeout=min(left, 0.5))
+
+
+def _store_get(c: Coordinator, node, body) -> dict:
+    key = str(body["key"])
+    value = _long_poll(c, lambda: _found(c.state.store_get(key)))
+    return value
+
+
+def _found(value: bytes | None) -> dict | None:
+    return None if value is None else {"status": "ok", "value": base64.b64encode(value).decode()}
+
+
+def _store_set(c: Coordinator, node, body) -> dict:
+    with c.lock, c.state.transaction():
+        c.state.store_set(str(body["key"]), base64.b64decode(body["value"], validate=True))
+        c.changed.notify_all()
+    return {"status": "ok"}
+
+
+def _store_add(c: Coordinator, node, body) -> dict:
+    key, amount = str(body["key"]), int(body["amount"])
+    with c.lock, c.state.transaction():
+        current = c.state.store_get(key)
+        value = (int(current.decode()) if current else 0) + amount
+        c.state.store_set(key, str(value).encode())
+        c.changed.notify_all()
+    return {"status": "ok", "value": value}
+
+
+def _store_check(c: Coordinator, node, body) -> dict:
+    keys = [str(k) for k in body["keys"]]
+    with c.lock:
+        return {"status": "ok", "present": all(c.state.store_get(k) is not None for k in keys)}
+
+
+def _store_wait(c: Coordinator, node, body) -> dict:
+    keys = [str(k) for k in body["keys"]]
+    return _long_poll(c, lambda: {"status": "ok"} if all(c.state.store_get(k) is not None for k in keys) else None)
+
+
+_ROUTES = {
+    "/v1/join": None,
+    "/v1/heartbeat": lambda c, n, b: c.heartbeat(n, b),
+    "/v1/leave": lambda c, n, b: c.leave(n),
+    "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.declare_ready(c.state.node(n.node_id), b)),
+    "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.vote(c.state.node(n.node_id), b)),
+    "/v1/commit": lambda c, n, b: c.commit(n, b),
+    "/v1/store/get": _store_get,
+    "/v1/store/set": _store_set,
+    "/v1/store/add": _store_add,
+    "/v1/store/check": _store_check,
+    "/v1/store/wait": _store_wait,
+}
+
+
+class CoordinatorServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, host: str, port: int, coordinator: Coordinator) -> None:
+        super().__init__((host, port), _Handler)
+        self.coordinator = coordinator
+        self._ticker = threading.Thread(target=self._tick, daemon=True, name="coordinator-tick")
+        self._stop = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> None:
+        self._ticker.start()
+        threading.Thread(target=self.serve_forever, daemon=True, name="coordinator-http").start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.coordinator.tick()
+            except Exception:  # a failed tick must not stop lease expiry for good
+                log.exception("coordinator tick failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.shutdown()
+        self.server_close()

@@ -1,0 +1,153 @@
+"""The coordinator's durable state in SQLite: run, nodes, outer-step decisions, rendezvous entries, events.
+
+Every method is one transaction. Nothing here knows about time-outs or leases; those live in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY, name TEXT NOT NULL, session_hash TEXT NOT NULL, node_index INTEGER NOT NULL,
+    state TEXT NOT NULL, joined_at REAL NOT NULL, outer_step INTEGER NOT NULL, model_hash TEXT NOT NULL,
+    address TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0,
+    needs_resync INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS steps (
+    outer_step INTEGER NOT NULL, attempt INTEGER NOT NULL, epoch INTEGER NOT NULL, members TEXT NOT NULL,
+    decision TEXT NOT NULL, model_hash TEXT, decided_at REAL NOT NULL, allreduce_s REAL,
+    PRIMARY KEY (outer_step, attempt));
+CREATE TABLE IF NOT EXISTS commits (
+    outer_step INTEGER NOT NULL, node_id TEXT NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (outer_step, node_id));
+CREATE TABLE IF NOT EXISTS store (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, text TEXT NOT NULL);
+"""
+
+
+@dataclass
+class Node:
+    node_id: str
+    name: str
+    session_hash: str
+    node_index: int
+    state: str  # active | left | dead | evicted
+    joined_at: float
+    outer_step: int
+    model_hash: str
+    address: str
+    contributions: int = 0
+    refused: int = 0
+    needs_resync: int = 0
+
+
+@dataclass
+class StepDecision:
+    outer_step: int
+    attempt: int
+    epoch: int
+    members: list[dict]  # [{node_id, name, contributes, needs_state}] in rank order
+    decision: str  # open | apply | abort
+    model_hash: str | None = None
+
+
+class CoordinatorState:
+    def __init__(self, path: Path) -> None:
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(_SCHEMA)
+
+    def transaction(self):
+        return _Transaction(self.db)
+
+    # meta
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def set_meta(self, key: str, value: object) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+    # nodes
+    def nodes(self) -> list[Node]:
+        return [Node(*row) for row in self.db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_index")]
+
+    def node(self, node_id: str) -> Node | None:
+        row = self.db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+        return Node(*row) if row else None
+
+    def put_node(self, node: Node) -> None:
+        self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 12)})",
+                        tuple(node.__dict__.values()))
+
+    # steps
+    def put_step(self, step: StepDecision, allreduce_s: float | None = None) -> None:
+        self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (step.outer_step, step.attempt, step.epoch, json.dumps(step.members), step.decision,
+                         step.model_hash, time.time(), allreduce_s))
+
+    def steps(self, outer_step: int | None = None) -> list[StepDecision]:
+        query = "SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps"
+        rows = self.db.execute(query + (" WHERE outer_step = ?" if outer_step is not None else "") +
+                               " ORDER BY outer_step, attempt", (() if outer_step is None else (outer_step,)))
+        return [StepDecision(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+
+    def committed_step(self) -> int:
+        row = self.db.execute("SELECT MAX(outer_step) FROM steps WHERE decision = 'apply'").fetchone()
+        return row[0] or 0
+
+    def step_summaries(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash, decided_at, "
+                               "allreduce_s FROM steps ORDER BY outer_step DESC, attempt DESC LIMIT ?", (limit,))
+        return [{"outer_step": r[0], "attempt": r[1], "epoch": r[2], "members": [m["name"] for m in json.loads(r[3])],
+                 "decision": r[4], "model_hash": r[5], "decided_at": r[6], "allreduce_s": r[7]} for r in rows][::-1]
+
+    # commits (model hashes per node)
+    def put_commit(self, outer_step: int, node_id: str, model_hash: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?, ?)", (outer_step, node_id, model_hash))
+
+    def commits(self, outer_step: int) -> dict[str, str]:
+        return dict(self.db.execute("SELECT node_id, model_hash FROM commits WHERE outer_step = ?", (outer_step,)))
+
+    # rendezvous store
+    def store_get(self, key: str) -> bytes | None:
+        row = self.db.execute("SELECT value FROM store WHERE key = ?", (key,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def store_set(self, key: str, value: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO store VALUES (?, ?)", (key, value))
+
+    def store_drop_before_epoch(self, epoch: int) -> None:
+        # Keys are "e{epoch}/..."; old epochs' rendezvous entries are never read again.
+        for (key,) in self.db.execute("SELECT key FROM store").fetchall():
+            if key.startswith("e") and key[1:].split("/", 1)[0].isdigit() and int(key[1:].split("/", 1)[0]) < epoch:
+                self.db.execute("DELETE FROM store WHERE key = ?", (key,))
+
+    # events
+    def event(self, text: str) -> None:
+        self.db.execute("INSERT INTO events (time, text) VALUES (?, ?)", (time.time(), text))
+
+    def events(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT time, text FROM events ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [{"time": t, "text": x} for t, x in reversed(rows)]
+
+
+_NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, outer_step, model_hash, address, "
+                 "contributions, refused, needs_resync")
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        return self
+
+    def __exit__(self, exc_type, *_):
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

@@ -1,0 +1,197 @@
+"""ElasticDeviceMesh: a node's local group (from torchrun) plus one global Gloo group per local rank.
+
+The local group carries FSDP2 and is fixed for the node's life. The global group of local rank r pairs
+shard r of every member node; it is rebuilt only when the coordinator announces a new epoch. Local rank
+0 speaks to the coordinator for the node and shares each answer with the other local ranks, as JSON
+over the local group (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_mesh.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat
+from elastic_mesh.store import CoordinatorStore
+from elastic_mesh.token import read_token
+
+log = logging.getLogger(__name__)
+
+
+class MeshConfig(BaseModel):
+    """Time-outs of the cross-node groups; one source of truth for every blocking network call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_timeout_s: float = Field(30.0, gt=0, description="A collective step that stalls this long fails "
+                                      "(a peer that died mid-transfer is noticed by then, usually at once).")
+    rendezvous_timeout_s: float = Field(60.0, gt=0, description="Longest wait for peers to form a global group.")
+    request_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to the coordinator.")
+    coordinator_retry_s: float = Field(300.0, gt=0, description="How long to keep retrying an unreachable coordinator.")
+    barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at an outer-step barrier.")
+
+
+@dataclass
+class StepPlan:
+    status: str  # go | missed | resync
+    outer_step: int = 0
+    attempt: int = 0
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 0
+    members: list[dict] = field(default_factory=list)
+    state_source: int | None = None
+    committed_step: int = 0
+
+    @property
+    def contributes(self) -> list[bool]:
+        return [bool(m["contributes"]) for m in self.members]
+
+    @property
+    def syncing(self) -> list[int]:
+        return [r for r, m in enumerate(self.members) if m["needs_state"]]
+
+
+def node_hash(local_digest: bytes) -> str:
+    """One hash for the node from every local rank's digest of its shard (a collective of the local group)."""
+    mine = torch.frombuffer(bytearray(local_digest.ljust(32, b"\0")[:32]), dtype=torch.uint8)
+    world = dist.get_world_size()
+    gathered = [torch.empty(32, dtype=torch.uint8) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(gathered, mine)
+    else:
+        gathered = [mine]
+    return hashlib.blake2b(b"".join(g.numpy().tobytes() for g in gathered), digest_size=8).hexdigest()
+
+
+class ElasticDeviceMesh:
+    def __init__(self, config: MeshConfig, token: str, node_facts: dict) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("initialise the node's local process group before the mesh (torchrun or a 1-rank group)")
+        self.config, self.token, self.node_facts = config, token, node_facts
+        self.local_rank, self.local_world = dist.get_rank(), dist.get_world_size()
+        self.client = CoordinatorClient(read_token(token).coordinator, config.request_timeout_s,
+                                        config.coordinator_retry_s)
+        self.heartbeat: Heartbeat | None = None
+        self.progress: dict = {}
+        self._groups: dict[int, dist.ProcessGroup] = {}
+        self.joined = self._join()
+
+    # ---- talking to the coordinator (local rank 0), shared with the node ------------------------------
+    def _join(self) -> dict:
+        answer = None
+        if self.local_rank == 0:
+            try:
+                answer = self.client.join(self.token, procs_per_node=self.local_world, **self.node_facts)
+            except CoordinatorError as e:
+                answer = {"error": str(e)}
+        answer = self.share(answer)
+        if "error" in answer:
+            raise CoordinatorError(f"the coordinator refused this node: {answer['error']}")
+        self.client.credentials = Credentials(self.client.address, answer["node_id"], answer["session"], answer["name"])
+        if self.local_rank == 0:
+            if self.heartbeat:
+                self.heartbeat.stop()
+            self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], lambda: self.progress).start()
+        return answer
+
+    def share(self, value: dict | None) -> dict:
+        """Local rank 0's value on every local rank (JSON over the local group)."""
+        if self.local_world == 1:
+            return value
+        data = json.dumps(value).encode() if self.local_rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.local_rank == 0 else torch.empty(
+            int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src=0)
+        return json.loads(buf.numpy().tobytes().decode())
+
+    def _leader_call(self, call) -> dict:
+        answer = None
+        if self.local_rank == 0:
+            try:
+                answer = call()
+            except CoordinatorError as e:
+                answer = {"error": str(e), "status_code": e.status}
+        answer = self.share(answer)
+        if "error" in answer:
+            raise CoordinatorError(answer["error"], answer.get("status_code"))
+        return answer
+
+    @property
+    def name(self) -> str:
+        return self.joined["name"]
+
+    def plan(self, outer_step: int, contributes: bool, needs_state: bool) -> StepPlan:
+        """Declares this node ready for `outer_step`; returns who takes part once the coordinator decides."""
+        body = {"outer_step": outer_step, "contributes": contributes, "needs_state": needs_state}
+        answer = self._leader_call(lambda: self.client.long_poll(
+            "/v1/ready", body, lambda a: a.get("status") != "wait", self.config.barrier_timeout_s))
+        return StepPlan(**{k: answer[k] for k in StepPlan.__dataclass_fields__ if k in answer})
+
+    def vote(self, plan: StepPlan, ok: bool, refused: dict[int, str], blame: list[int], seconds: float) -> str:
+        """Asks the coordinator whether every member succeeded; 'apply' or 'abort', the same for all."""
+        body = {"outer_step": plan.outer_step, "attempt": plan.attempt, "ok": ok, "allreduce_s": seconds,
+                "refused": {plan.members[r]["node_id"]: why for r, why in refused.items()},
+                "blame": [plan.members[r]["node_id"] for r in blame]}
+        answer = self._leader_call(lambda: self.client.long_poll(
+            "/v1/vote", body, lambda a: "decision" in a, self.config.barrier_timeout_s))
+        return answer["decision"]
+
+    def commit(self, outer_step: int, model_hash: str) -> dict:
+        return self._leader_call(lambda: self.client.post("/v1/commit", {"outer_step": outer_step,
+                                                                         "model_hash": model_hash}))
+
+    def rejoin(self, node_facts: dict) -> dict:
+        """After the coordinator dropped this node (declared dead, e.g. after a partition)."""
+        self.node_facts = node_facts
+        self.joined = self._join()
+        return self.joined
+
+    @property
+    def dropped(self) -> bool:
+        lost = self.local_rank == 0 and self.heartbeat is not None and self.heartbeat.lost is not None
+        return bool(self.share({"lost": lost})["lost"])
+
+    # ---- the global group of this local rank -------------------------------------------------------
+    def group(self, plan: StepPlan) -> dist.ProcessGroup:
+        pg = self._groups.get(plan.epoch)
+        if pg is None:
+            for stale in list(self._groups):
+                self.drop_group(stale)
+            store = CoordinatorStore(self.client, f"e{plan.epoch}/r{self.local_rank}/", self.config.rendezvous_timeout_s)
+            pg = dist.ProcessGroupGloo(store, plan.rank, plan.world_size, timedelta(seconds=self.config.transfer_timeout_s))
+            self._groups[plan.epoch] = pg
+            log.debug("global group of local rank %d for epoch %d: rank %d of %d", self.local_rank, plan.epoch,
+                      plan.rank, plan.world_size)
+        return pg
+
+    def drop_group(self, epoch: int) -> None:
+        # A Gloo group that saw a failure cannot be reused; its peers may be gone.
+        self._groups.pop(epoch, None)
+
+    def agree(self, ok: bool) -> bool:
+        """True only if every local rank says ok (before anything is applied)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        if self.local_world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def close(self, leave: bool = True) -> None:
+        if self.local_rank == 0:
+            if self.heartbeat:
+                self.heartbeat.stop()
+            if leave and self.client.credentials:
+                try:
+                    self.client.post("/v1/leave", {}, retry=False)
+                except CoordinatorError:
+                    pass  # the coordinator will notice the missing heartbeats instead
+        self._groups.clear()

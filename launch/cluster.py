@@ -1,0 +1,141 @@
+"""LocalCluster: a coordinator and DiLoCo nodes as real processes on this machine (used by
+launch/local.py, the tests and the benchmarks).
+
+Each node is its own `torchrun` in its own session, so killing it (SIGKILL to the process group) is
+what a machine dying looks like. The coordinator can be killed and restarted on the same port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastic_mesh.process_tree import kill_tree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(PYTHONUNBUFFERED="1", PRIME_PLAIN_LOGS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class LocalCluster:
+    def __init__(self, run_dir: Path, config: str, overrides: list[str] | None = None, nproc_per_node: int = 1,
+                 coordinator_args: list[str] | None = None, echo: bool = False, show_steps: bool = False) -> None:
+        self.run_dir, self.config, self.nproc = Path(run_dir), config, nproc_per_node
+        self.overrides, self.coordinator_args = overrides or [], coordinator_args or []
+        self.echo, self.show_steps = echo, show_steps
+        self.coordinator: subprocess.Popen | None = None
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.port = 0
+        self.token = ""
+
+    @property
+    def state_dir(self) -> Path:
+        return self.run_dir / "coordinator"
+
+    def _pump(self, proc: subprocess.Popen, prefix: str, log_path: Path) -> None:
+        def run():
+            with open(log_path, "a", encoding="utf-8") as log:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if self.echo and (self.show_steps or " step " not in line or "outer step" in line
+                                      or "eval_loss" in line):
+                        sys.stdout.write(f"{prefix} {line}")
+                        sys.stdout.flush()
+        threading.Thread(target=run, daemon=True).start()
+
+    def start_coordinator(self, start_nodes: int = 1) -> None:
+        """Starts it (again, on the same port and state, if it ran before)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        address_file = self.state_dir / "address"
+        address_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--state-dir", str(self.state_dir), "--start-nodes", str(start_nodes),
+               *self.coordinator_args]
+        self.coordinator = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True, env=child_env(), start_new_session=True)
+        self._pump(self.coordinator, "[coordinator]", self.state_dir / "log")
+        deadline = time.monotonic() + 60
+        while not address_file.exists():
+            if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start; see {self.state_dir / 'log'}")
+            time.sleep(0.05)
+        self.port = int(address_file.read_text().rsplit(":", 1)[1])
+        if not self.token:
+            from elastic_mesh.coordinator.run import make_token
+
+            self.token = make_token(self.state_dir, ttl_s=7 * 86400)
+
+    def kill_coordinator(self) -> None:
+        kill_tree(self.coordinator.pid)
+        self.coordinator.wait()
+
+    def start_node(self, name: str, extra: list[str] | None = None, token: str | None = None) -> subprocess.Popen:
+        node_dir = self.run_dir / name
+        node_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={self.nproc}",
+               "-m", "prime.train", "--config", self.config, "--join", token or self.token, "--name", name,
+               "--run-dir", str(node_dir), *self.overrides, *(extra or [])]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env(), start_new_session=True)
+        self._pump(proc, f"[{name}]", node_dir / "log")
+        self.nodes[name] = proc
+        return proc
+
+    def kill_node(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL: the agent and every local rank at once, like a machine dying. SIGTERM: the agent only,
+        which forwards it to its ranks (a clean leave)."""
+        if sig == signal.SIGKILL:
+            kill_tree(self.nodes[name].pid)
+        else:
+            os.kill(self.nodes[name].pid, sig)
+
+    def wait_nodes(self, timeout_s: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.nodes.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return {name: proc.poll() for name, proc in self.nodes.items()}
+
+    def status(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=10) as response:
+            return json.loads(response.read())
+
+    def metrics(self, name: str) -> list[dict]:
+        path = self.run_dir / name / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def outer_records(self, name: str) -> dict[int, dict]:
+        return {r["outer_step"]: r for r in self.metrics(name) if "outer_step" in r}
+
+    def log(self, name: str) -> str:
+        path = self.run_dir / name / "log" if name != "coordinator" else self.state_dir / "log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self) -> None:
+        """Ends everything this cluster started, whatever state it is in."""
+        for proc in list(self.nodes.values()) + ([self.coordinator] if self.coordinator else []):
+            kill_tree(proc.pid)  # also the workers of a torchrun whose agent already exited
+            proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

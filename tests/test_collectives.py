@@ -1,0 +1,140 @@
+"""The compressed all-reduce on real Gloo groups of real processes."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from elastic_mesh.codecs import BLOCK, codec_for
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _member(rank, world, port, size, compression, special, queue):
+    import torch.distributed as dist
+
+    from elastic_mesh.collectives import CollectiveError, all_reduce_mean
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=60))
+    x = torch.randn(size, generator=torch.Generator().manual_seed(rank))
+    if special == "nan" and rank == 1:
+        x[3] = float("nan")
+    if special == "outlier" and rank == 2:
+        x *= 1000
+    try:
+        if special == "liar" and rank == 1:
+            return _lie(pg, x, codec_for(compression), world, queue)
+        result = all_reduce_mean(pg, x, codec_for(compression), [True] * world, outlier_factor=10.0)
+        queue.put((rank, hashlib.sha256(result.mean.numpy().tobytes()).hexdigest(), result.mean,
+                   result.refused, result.bytes_sent, None))
+    except CollectiveError as e:
+        queue.put((rank, None, None, {}, 0, (e.phase, e.blame)))
+
+
+def _lie(pg, x, codec, world, queue):
+    """A hostile member speaking the wire protocol by hand: an honest-looking header, then garbage."""
+    from elastic_mesh.codecs import BLOCK
+
+    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel())])
+    pg.allgather([[torch.empty(4) for _ in range(world)]], [header]).wait()
+    chunk = -(-(-(-x.numel() // world)) // BLOCK) * BLOCK
+    garbage = torch.cat([codec.encode(torch.randn(chunk) * 1e6) for _ in range(world)])
+    pg.alltoall_base(torch.empty_like(garbage), garbage, [], []).wait()
+    try:
+        mine = codec.encode(torch.zeros(chunk))
+        pg.allgather([[torch.empty_like(mine) for _ in range(world)]], [mine]).wait()
+    except RuntimeError:
+        pass  # the honest members stopped talking to it
+    queue.put((1, None, None, {}, 0, ("liar", [])))
+
+
+def run_members(world, size, compression="int8", special=""):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_member, args=(r, world, port, size, compression, special, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
+def exact_mean(world, size, skip=()):
+    xs = [torch.randn(size, generator=torch.Generator().manual_seed(r)) for r in range(world) if r not in skip]
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_int8_error_is_under_one_percent_and_flat_in_members(world):
+    size = 300_007  # not a multiple of the block or of the members
+    results = run_members(world, size)
+    assert len({h for _, h, *_ in results}) == 1, "members ended with different results"
+    mean = results[0][2]
+    exact = exact_mean(world, size)
+    error = ((mean - exact).norm() / exact.norm()).item()
+    assert error <= 0.01, f"relative RMS error {error:.4f} at {world} members"
+    # Each member sends and receives 2 × (N-1)/N of the int8 payload: flat in N, ~1/3.9 of fp32.
+    chunk = -(-(-(-size // world)) // BLOCK) * BLOCK
+    assert results[0][4] == 2 * (world - 1) * codec_for("int8").encoded_size(chunk) + (world - 1) * 16
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 65])
+def test_awkward_sizes(size):
+    results = run_members(3, size)
+    assert len({h for _, h, *_ in results}) == 1
+    assert results[0][2].shape == (size,)
+    if size:
+        assert torch.allclose(results[0][2], exact_mean(3, size), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("compression, tolerance", [("none", 1e-6), ("bf16", 1e-2)])
+def test_other_wire_formats(compression, tolerance):
+    results = run_members(3, 10_000, compression)
+    assert len({h for _, h, *_ in results}) == 1
+    exact = exact_mean(3, 10_000)
+    assert ((results[0][2] - exact).norm() / exact.norm()).item() <= tolerance
+
+
+def test_non_finite_member_is_refused_by_everyone():
+    results = run_members(3, 5_000, special="nan")
+    assert all(r[3] == {1: "non-finite values"} for r in results)
+    exact = exact_mean(3, 5_000, skip=(1,))
+    assert ((results[0][2] - exact).norm() / exact.norm()).item() <= 0.01
+    assert len({h for _, h, *_ in results}) == 1
+
+
+def test_outlier_norm_is_refused():
+    results = run_members(4, 5_000, special="outlier")
+    assert 2 in results[0][3] and "median" in results[0][3][2]
+    assert len({h for _, h, *_ in results}) == 1
+
+
+def test_peer_lying_in_its_header_is_named():
+    results = run_members(3, 5_000, special="liar")
+    honest = [results[0][5], results[2][5]]
+    assert all(e is not None for e in honest), "garbage from a lying peer went through"
+    assert [1] in [blame for _, blame in honest], honest
+
+
+def test_int8_codec_roundtrip_extremes():
+    codec = codec_for("int8")
+    for scale in (1e-30, 1e-3, 1.0, 1e30):
+        x = torch.randn(4 * BLOCK, dtype=torch.float64).float() * scale
+        y = codec.decode(codec.encode(x), x.numel())
+        assert torch.isfinite(y).all()
+        assert ((y.double() - x.double()).norm() / x.double().norm()).item() < 0.01
+    zeros = torch.zeros(BLOCK)
+    assert torch.equal(codec.decode(codec.encode(zeros), BLOCK), zeros)

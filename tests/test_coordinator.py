@@ -1,0 +1,185 @@
+"""The coordinator over real HTTP: admission, leases, the barrier, votes, bad input, restarts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from elastic_mesh.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.coordinator.core import CoordinatorConfig
+from elastic_mesh.coordinator.run import make_token, start_coordinator
+from elastic_mesh.token import create_token
+
+FACTS = {"fingerprint": "fp1", "procs_per_node": 1, "model_hash": "h0", "address": ""}
+
+
+@pytest.fixture()
+def coordinator(tmp_path):
+    config = CoordinatorConfig(lease_s=1.5, heartbeat_s=0.3, min_wait_s=1.0, poll_s=1.0)
+    server = start_coordinator(tmp_path / "coord", config=config)
+    yield server
+    server.stop()
+
+
+def address(server) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def joined(server, tmp_path, name="n", **facts) -> CoordinatorClient:
+    client = CoordinatorClient(address(server), request_timeout_s=10, retry_s=5)
+    client.join(make_token(tmp_path / "coord", 60), name=name, **{**FACTS, **facts})
+    return client
+
+
+def post_raw(server, path, data: bytes, headers=None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{address(server)}{path}", data=data, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("kind", ["forged", "expired", "foreign", "garbage"])
+def test_bad_tokens_are_refused_without_revealing_the_run(coordinator, tmp_path, kind):
+    run_id = coordinator.coordinator.run_id
+    token = {"forged": create_token(b"z" * 32, address(coordinator), run_id, 60),
+             "expired": make_token(tmp_path / "coord", -5),
+             "foreign": create_token(b"z" * 32, address(coordinator), "some-other-run", 60),
+             "garbage": "not-a-token"}[kind]
+    status, body = post_raw(coordinator, "/v1/join", json.dumps({"token": token, **FACTS}).encode())
+    assert status == 403
+    assert {"forged": "forged", "expired": "expired", "foreign": "another run", "garbage": "not a prime"}[kind] in body["error"]
+    if kind != "forged":
+        assert run_id not in body["error"]
+
+
+def test_incompatible_nodes_are_refused_with_the_reason(coordinator, tmp_path):
+    joined(coordinator, tmp_path, "a")
+    with pytest.raises(CoordinatorError, match="fingerprint fp2 differs from the run's fp1"):
+        joined(coordinator, tmp_path, "b", fingerprint="fp2")
+    with pytest.raises(CoordinatorError, match="runs 2 processes but the run's nodes run 1"):
+        joined(coordinator, tmp_path, "c", procs_per_node=2)
+    with pytest.raises(CoordinatorError, match="initial weights differ"):
+        joined(coordinator, tmp_path, "d", model_hash="other")
+
+
+def test_unauthenticated_requests_are_refused(coordinator, tmp_path):
+    joined(coordinator, tmp_path, "a")
+    for path in ("/v1/ready", "/v1/store/get", "/v1/store/set", "/v1/heartbeat", "/v1/vote"):
+        status, body = post_raw(coordinator, path, b'{"key": "x", "outer_step": 1}',
+                                {"X-Prime-Node": "nobody", "X-Prime-Session": "guess"})
+        assert status == 401, path
+
+
+def test_garbage_and_oversized_requests_leave_it_serving(coordinator, tmp_path):
+    assert post_raw(coordinator, "/v1/join", b"\xff\xfe garbage")[0] == 400
+    assert post_raw(coordinator, "/v1/join", b"[1, 2]")[0] == 400
+    with socket.create_connection(("127.0.0.1", coordinator.port)) as raw:
+        raw.sendall(b"POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n")
+        assert b" 413 " in raw.recv(1000).split(b"\r\n")[0]
+    with socket.create_connection(("127.0.0.1", coordinator.port)) as raw:
+        raw.sendall(b"\x00\x01garbage that is not http\r\n\r\n")
+        raw.recv(100)
+    silent = socket.create_connection(("127.0.0.1", coordinator.port))  # says nothing, holds a thread only
+    joined(coordinator, tmp_path, "still-works")
+    silent.close()
+
+
+def test_dead_node_is_declared_within_the_lease(coordinator, tmp_path):
+    client = joined(coordinator, tmp_path, "a")
+    started = time.monotonic()
+    while any(n["alive"] for n in client.get_status()["nodes"]):
+        assert time.monotonic() - started < 5, "no heartbeat, yet still alive"
+        time.sleep(0.1)
+    assert client.get_status()["nodes"][0]["state"] == "dead"
+    with pytest.raises(CoordinatorError, match="declared dead"):
+        client.post("/v1/heartbeat", {}, retry=False)
+
+
+def _ready(client, step, **kw):
+    return client.long_poll("/v1/ready", {"outer_step": step, "contributes": True, "needs_state": False, **kw},
+                            lambda a: a.get("status") != "wait", 30)
+
+
+def _vote(client, plan, ok=True):
+    return client.long_poll("/v1/vote", {"outer_step": plan["outer_step"], "attempt": plan["attempt"], "ok": ok},
+                            lambda a: "decision" in a, 30)["decision"]
+
+
+def _together(*calls):
+    results = [None] * len(calls)
+    threads = [threading.Thread(target=lambda i=i, c=c: results.__setitem__(i, c())) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_barrier_vote_and_abort_then_retry(coordinator, tmp_path):
+    a, b = joined(coordinator, tmp_path, "a"), joined(coordinator, tmp_path, "b")
+    beats = [threading.Event()]
+
+    def beat():
+        while not beats[0].is_set():
+            for c in (a, b):
+                c.post("/v1/heartbeat", {}, retry=False)
+            time.sleep(0.2)
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        pa, pb = _together(lambda: _ready(a, 1), lambda: _ready(b, 1))
+        assert pa["status"] == pb["status"] == "go" and pa["epoch"] == pb["epoch"] and {pa["rank"], pb["rank"]} == {0, 1}
+        assert _together(lambda: _vote(a, pa), lambda: _vote(b, pb)) == ["apply", "apply"]
+        pa, pb = _together(lambda: _ready(a, 2), lambda: _ready(b, 2))
+        assert pa["epoch"] == 1  # same members: no new epoch
+        assert _together(lambda: _vote(a, pa, ok=False), lambda: _vote(b, pb)) == ["abort", "abort"]
+        pa, pb = _together(lambda: _ready(a, 2), lambda: _ready(b, 2))
+        assert pa["attempt"] == 2 and pa["epoch"] == 2  # a retry rendezvouses afresh
+        assert _together(lambda: _vote(a, pa), lambda: _vote(b, pb)) == ["apply", "apply"]
+        assert _ready(a, 1)["status"] == "missed"
+        status = a.get_status()
+        assert status["committed_step"] == 2
+    finally:
+        beats[0].set()
+
+
+def test_late_node_is_left_out_after_the_deadline(coordinator, tmp_path):
+    a, b = joined(coordinator, tmp_path, "a"), joined(coordinator, tmp_path, "b")
+    stop = threading.Event()
+    threading.Thread(target=lambda: [(a.post("/v1/heartbeat", {}), b.post("/v1/heartbeat", {}), time.sleep(0.2))
+                                     for _ in iter(lambda: stop.is_set(), True)], daemon=True).start()
+    try:
+        started = time.monotonic()
+        plan = _ready(a, 1)
+        assert plan["world_size"] == 1 and 0.9 <= time.monotonic() - started < 5
+        assert _vote(a, plan) == "apply"
+        assert _ready(b, 1)["status"] == "missed"
+        assert any("left out late node(s) b" in e["text"] for e in a.get_status()["events"])
+    finally:
+        stop.set()
+
+
+def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
+    config = CoordinatorConfig(lease_s=30, poll_s=1.0)
+    server = start_coordinator(tmp_path / "coord", config=config)
+    client = joined(server, tmp_path, "a")
+    from elastic_mesh.store import CoordinatorStore
+
+    store = CoordinatorStore(client, "e1/r0/", timeout_s=5)
+    store.set("k", b"\x00\x01value")
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    port = server.port
+    server.stop()
+    server = start_coordinator(tmp_path / "coord", port=port, config=config)
+    try:
+        assert store.get("k") == b"\x00\x01value" and store.check(["k"]) and not store.check(["missing"])
+        with pytest.raises(CoordinatorError, match="did not appear"):
+            CoordinatorStore(client, "e1/r0/", timeout_s=1.5).get("missing")
+    finally:
+        server.stop()

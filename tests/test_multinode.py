@@ -1,0 +1,135 @@
+"""Multi-node DiLoCo end to end: real coordinator, real torchrun nodes, real Gloo, real SIGKILLs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from launch.cluster import LocalCluster
+
+# Short leases and deadlines so failures resolve in seconds; H=5 on the debug model.
+COORDINATOR = ["--lease-s", "3", "--heartbeat-s", "0.5", "--min-wait-s", "3", "--poll-s", "2"]
+BASE = ["--train.eval_every", "0", "--checkpoint.every", "0", "--diloco.inner_steps", "5",
+        "--mesh.transfer_timeout_s", "10", "--mesh.rendezvous_timeout_s", "30"]
+RECORD_KEYS = {"outer_step", "epoch", "members", "allreduce_s", "bytes_sent", "bytes_received", "model_hash"}
+
+
+def cluster(tmp_path, corpus, start_nodes, steps=30, extra=(), nproc=1) -> LocalCluster:
+    overrides = [*BASE, "--data.path", str(corpus), "--train.max_steps", str(steps), *extra]
+    c = LocalCluster(tmp_path / "run", "configs/debug.toml", overrides, nproc, COORDINATOR)
+    c.start_coordinator(start_nodes=start_nodes)
+    return c
+
+
+def assert_identical(c: LocalCluster, names: list[str], steps: range) -> None:
+    for k in steps:
+        hashes = {name: c.outer_records(name)[k]["model_hash"] for name in names}
+        assert len(set(hashes.values())) == 1, f"outer step {k}: models differ {hashes}"
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_three_nodes_train_and_stay_bit_identical(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 3) as c:
+        names = ["node0", "node1", "node2"]
+        for name in names:
+            c.start_node(name)
+        assert c.wait_nodes(240) == {n: 0 for n in names}, c.log("node0")[-3000:]
+        assert_identical(c, names, range(1, 7))
+        records = c.outer_records("node0")
+        assert RECORD_KEYS <= set(records[1]) and all(r["members"] == 3 for r in records.values())
+        losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+        status = c.status()
+        assert status["committed_step"] == 6 and all(n["contributions"] == 6 for n in status["nodes"])
+
+
+def test_two_nodes_of_two_local_ranks(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 2, steps=20, nproc=2, extra=["--data.parts_per_file", "2"]) as c:
+        c.start_node("a")
+        c.start_node("b")
+        assert c.wait_nodes(240) == {"a": 0, "b": 0}, c.log("a")[-3000:]
+        assert_identical(c, ["a", "b"], range(1, 5))
+
+
+def test_kill_during_inner_steps(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 3) as c:
+        for name in ("node0", "node1"):
+            c.start_node(name)
+        c.start_node("node2", ["--chaos.kill_at_inner_step", "12"])
+        codes = c.wait_nodes(240)
+        assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None)
+        assert_identical(c, ["node0", "node1"], range(1, 7))
+        records = c.outer_records("node0")
+        assert records[2]["members"] == 3 and records[3]["members"] == 2
+        assert {n["name"]: n["state"] for n in c.status()["nodes"]}["node2"] == "dead"
+
+
+def test_kill_during_the_all_reduce(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 3) as c:
+        for name in ("node0", "node1"):
+            c.start_node(name)
+        c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
+        codes = c.wait_nodes(240)
+        assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None)
+        assert_identical(c, ["node0", "node1"], range(1, 7))
+        step2 = c.outer_records("node0")[2]
+        assert step2["attempt"] >= 2 and step2["members"] == 2, step2
+        assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+        steps = c.status()["steps"]
+        assert [s["decision"] for s in steps if s["outer_step"] == 2][-1] == "apply"
+
+
+def test_non_finite_pseudo_gradient_is_refused_and_named(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 3, steps=20) as c:
+        c.start_node("node0")
+        c.start_node("node1", ["--chaos.nan_at_outer_step", "2"])
+        c.start_node("node2")
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}
+        assert_identical(c, ["node0", "node1", "node2"], range(1, 5))
+        for name in ("node0", "node1", "node2"):
+            records = c.outer_records(name)
+            assert records[2]["refused"] == ["node1"] and records[2]["members"] == 2
+            assert records[3]["members"] == 3  # it contributes again once healthy
+        events = " ".join(e["text"] for e in c.status()["events"])
+        assert "refused node1's pseudo-gradient (non-finite values)" in events
+
+
+def test_coordinator_killed_and_restarted_mid_run(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 2, steps=40) as c:
+        c.start_node("node0")
+        c.start_node("node1")
+        wait_for(lambda: len(c.outer_records("node0")) >= 1, 120, "the first outer step")
+        c.kill_coordinator()
+        time.sleep(2)
+        c.start_coordinator()
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0}, c.log("node0")[-3000:]
+        assert_identical(c, ["node0", "node1"], range(1, 9))
+        status = c.status()
+        applied = sorted({s["outer_step"] for s in status["steps"] if s["decision"] == "apply"})
+        assert applied == list(range(1, 9))
+        assert any("coordinator restarted" in e["text"] for e in status["events"])
+
+
+def test_a_node_joins_a_running_job(tmp_path, corpus):
+    slow = ["--chaos.step_delay_s", "0.2"]  # keeps the run going while the newcomer starts
+    with cluster(tmp_path, corpus, 2, steps=100) as c:
+        c.start_node("node0", slow)
+        c.start_node("node1", slow)
+        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
+        c.start_node("late")
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
+        late = c.outer_records("late")
+        first = min(late)
+        assert 3 <= first < 18, first
+        assert late[first]["members"] == 2  # its zero contribution is not averaged in
+        assert_identical(c, ["node0", "node1", "late"], range(first, 21))
+        assert max(late) == 20 and late[first + 1]["members"] == 3
+        steps = [r["step"] for r in c.metrics("late") if "loss" in r]
+        assert steps[0] == first * 5 + 1  # it took the run's position, schedule included
