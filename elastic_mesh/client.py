@@ -63,8 +63,12 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def get_status(self) -> dict:
-        with urllib.request.urlopen(f"http://{self.address}/status", timeout=self.request_timeout_s) as response:
+    def get_status(self, token: str | None = None) -> dict:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if self.credentials and not token:
+            headers = {"X-Prime-Node": self.credentials.node_id, "X-Prime-Session": self.credentials.session}
+        request = urllib.request.Request(f"http://{self.address}/status", headers=headers)
+        with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
             return json.loads(response.read())
 
     def join(self, token: str, **node_facts) -> dict:

@@ -114,7 +114,9 @@ class LocalCluster:
     def status(self) -> dict:
         import urllib.request
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=10) as response:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/status",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
     def metrics(self, name: str) -> list[dict]:

@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -70,7 +71,11 @@ def test_incompatible_nodes_are_refused_with_the_reason(coordinator, tmp_path):
 
 
 def test_unauthenticated_requests_are_refused(coordinator, tmp_path):
-    joined(coordinator, tmp_path, "a")
+    client = joined(coordinator, tmp_path, "a")
+    assert client.get_status()["nodes"][0]["name"] == "a"  # with its session
+    assert CoordinatorClient(address(coordinator)).get_status(make_token(tmp_path / "coord", 60))["run_id"]
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        CoordinatorClient(address(coordinator)).get_status()
     for path in ("/v1/ready", "/v1/store/get", "/v1/store/set", "/v1/heartbeat", "/v1/vote"):
         status, body = post_raw(coordinator, path, b'{"key": "x", "outer_step": 1}',
                                 {"X-Prime-Node": "nobody", "X-Prime-Session": "guess"})

@@ -36,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--advertise", default=None, help="host:port that nodes use to reach this coordinator")
     serve.add_argument("--run-id", default=None, help="name of the run (default: a new random one)")
     for name, field in CoordinatorConfig.model_fields.items():
-        serve.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default,
-                           help=f"{field.description} (default {field.default})")
+        if isinstance(field.default, bool):
+            serve.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=field.description)
+        else:
+            serve.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default,
+                               help=f"{field.description} (default {field.default})")
     token = sub.add_parser("token", help="join tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="print a new join token",

@@ -36,6 +36,8 @@ class CoordinatorConfig(BaseModel):
         0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
     poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
     start_nodes: int = Field(1, ge=1, description="The first outer step waits until this many nodes are ready.")
+    public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
+                                "(Authorization: Bearer TOKEN) or a node's session.")
     max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")
 
 
@@ -129,6 +131,18 @@ class Coordinator:
         return {"node_id": node.node_id, "session": session, "name": node.name, "node_index": index,
                 "run_id": self.run_id, "committed_step": committed, "lease_s": self.config.lease_s,
                 "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s}
+
+    def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
+        if self.config.public_status:
+            return True
+        if authorization.startswith("Bearer "):
+            try:
+                verify_token(self.secret, self.run_id, authorization[7:])
+                return True
+            except TokenError:
+                return False
+        node = self.state.node(node_id) if node_id else None
+        return node is not None and hmac.compare_digest(node.session_hash, _hash_session(session or ""))
 
     def authenticate(self, node_id: str, session: str) -> Node:
         """The node making a request, or Refused. Every request but join and status goes through here."""

@@ -36,7 +36,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path.rstrip("/") in ("/status", "/v1/status"):
-            return self._reply(200, self.server.coordinator.status())
+            coordinator = self.server.coordinator
+            if not coordinator.may_read_status(self.headers.get("Authorization", ""),
+                                               self.headers.get("X-Prime-Node", ""),
+                                               self.headers.get("X-Prime-Session", "")):
+                return self._reply(401, {"error": "the status needs a join token (Authorization: Bearer TOKEN); "
+                                                  "or start the coordinator with --public-status"})
+            return self._reply(200, coordinator.status())
         self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
 
     def do_POST(self):
