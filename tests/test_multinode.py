@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -133,3 +134,19 @@ def test_a_node_joins_a_running_job(tmp_path, corpus):
         assert max(late) == 20 and late[first + 1]["members"] == 3
         steps = [r["step"] for r in c.metrics("late") if "loss" in r]
         assert steps[0] == first * 5 + 1  # it took the run's position, schedule included
+
+
+def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):
+    slow = ["--chaos.step_delay_s", "0.1"]
+    with cluster(tmp_path, corpus, 3, steps=60) as c:
+        for name in ("node0", "node1", "node2"):
+            c.start_node(name, slow)
+        wait_for(lambda: len(c.outer_records("node2")) >= 2, 120, "two outer steps")
+        c.kill_node("node2", signal.SIGTERM)  # what Ctrl-C or a scheduler's stop sends
+        codes = c.wait_nodes(240)
+        assert codes["node0"] == codes["node1"] == 0
+        status = c.status()
+        assert {n["name"]: n["state"] for n in status["nodes"]}["node2"] == "left"
+        assert any(e["text"] == "node2 left" for e in status["events"])
+        assert_identical(c, ["node0", "node1"], range(1, 13))
+        assert "declared dead" not in c.log("coordinator")
