@@ -36,6 +36,8 @@ class MeshConfig(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to the coordinator.")
     coordinator_retry_s: float = Field(300.0, gt=0, description="How long to keep retrying an unreachable coordinator.")
     barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at an outer-step barrier.")
+    interface: str | None = Field(None, description="Network interface the global groups use (e.g. eth0); "
+                                  "None: the address the host name resolves to.")
 
 
 @dataclass
@@ -168,7 +170,11 @@ class ElasticDeviceMesh:
             for stale in list(self._groups):
                 self.drop_group(stale)
             store = CoordinatorStore(self.client, f"e{plan.epoch}/r{self.local_rank}/", self.config.rendezvous_timeout_s)
-            pg = dist.ProcessGroupGloo(store, plan.rank, plan.world_size, timedelta(seconds=self.config.transfer_timeout_s))
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timedelta(seconds=self.config.transfer_timeout_s)
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=self.config.interface)
+                                if self.config.interface else dist.ProcessGroupGloo.create_default_device()]
+            pg = dist.ProcessGroupGloo(store, plan.rank, plan.world_size, options)
             self._groups[plan.epoch] = pg
             log.debug("global group of local rank %d for epoch %d: rank %d of %d", self.local_rank, plan.epoch,
                       plan.rank, plan.world_size)

@@ -31,8 +31,11 @@ def child_env() -> dict[str, str]:
 
 class LocalCluster:
     def __init__(self, run_dir: Path, config: str, overrides: list[str] | None = None, nproc_per_node: int = 1,
-                 coordinator_args: list[str] | None = None, echo: bool = False, show_steps: bool = False) -> None:
-        self.run_dir, self.config, self.nproc = Path(run_dir), config, nproc_per_node
+                 coordinator_args: list[str] | None = None, echo: bool = False, show_steps: bool = False,
+                 wan=None) -> None:
+        """wan: a launch.wan.WanTopology that is up, with a host "coordinator" and one per node name;
+        every process then runs in its host's namespace and talks over the emulated links."""
+        self.run_dir, self.config, self.nproc, self.wan = Path(run_dir), config, nproc_per_node, wan
         self.overrides, self.coordinator_args = overrides or [], coordinator_args or []
         self.echo, self.show_steps = echo, show_steps
         self.coordinator: subprocess.Popen | None = None
@@ -61,7 +64,8 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         address_file = self.state_dir / "address"
         address_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", "127.0.0.1",
+        host = self.wan.address("coordinator") if self.wan else "127.0.0.1"
+        cmd = [*self._prefix("coordinator"), sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", host,
                "--port", str(self.port), "--state-dir", str(self.state_dir), "--start-nodes", str(start_nodes),
                *self.coordinator_args]
         self.coordinator = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -85,9 +89,11 @@ class LocalCluster:
     def start_node(self, name: str, extra: list[str] | None = None, token: str | None = None) -> subprocess.Popen:
         node_dir = self.run_dir / name
         node_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={self.nproc}",
-               "-m", "prime.train", "--config", self.config, "--join", token or self.token, "--name", name,
-               "--run-dir", str(node_dir), *self.overrides, *(extra or [])]
+        wan_args = ["--mesh.interface", self.wan.interface()] if self.wan else []
+        cmd = [*self._prefix(name), str(Path(sys.executable).parent / "torchrun"), "--standalone",
+               f"--nproc-per-node={self.nproc}", "-m", "prime.train", "--config", self.config,
+               "--join", token or self.token, "--name", name, "--run-dir", str(node_dir), *wan_args,
+               *self.overrides, *(extra or [])]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=child_env(), start_new_session=True)
         self._pump(proc, f"[{name}]", node_dir / "log")
@@ -111,13 +117,18 @@ class LocalCluster:
                 pass
         return {name: proc.poll() for name, proc in self.nodes.items()}
 
-    def status(self) -> dict:
-        import urllib.request
+    def _prefix(self, host: str) -> list[str]:
+        return self.wan.exec_prefix(host) if self.wan else []
 
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/status",
-                                         headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+    def status(self) -> dict:
+        host = self.wan.address("coordinator") if self.wan else "127.0.0.1"
+        fetch = ("import json, sys, urllib.request; r = urllib.request.Request(sys.argv[1], headers={'Authorization': "
+                 "'Bearer ' + sys.argv[2]}); print(urllib.request.urlopen(r, timeout=10).read().decode())")
+        # Run where the coordinator is reachable: in an emulated WAN, that is inside a namespace.
+        result = subprocess.run([*self._prefix("coordinator"), sys.executable, "-c", fetch,
+                                 f"http://{host}:{self.port}/status", self.token],
+                                capture_output=True, text=True, timeout=30, check=True)
+        return json.loads(result.stdout)
 
     def metrics(self, name: str) -> list[dict]:
         path = self.run_dir / name / "metrics.jsonl"

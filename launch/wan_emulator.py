@@ -1,0 +1,154 @@
+"""User-space WAN link emulator over TUN devices, for kernels without sch_netem.
+
+Runs in the root network namespace. For every emulated host it opens a TUN device *inside* that
+host's namespace (setns), gives it the host's address, and then switches IP packets between the TUN
+devices itself, imposing on each packet what the links would: the sender's upload (serialization at
+its rate, a bounded FIFO queue with tail drop, one-way latency, jitter, loss), then the receiver's
+download (the same). Jitter never reorders packets on a link (FIFO), as on a real path.
+
+    python launch/wan_emulator.py CONFIG.json     (started by launch/wan.py, prints "ready")
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import heapq
+import json
+import os
+import random
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+CLONE_NEWNET = 0x40000000
+TUNSETIFF = 0x400454CA
+IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
+MTU = 1500
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns failed (needs root)")
+
+
+def open_tun(namespace: str, ifname: str) -> int:
+    """A TUN device created in `namespace`; the returned fd is usable from here."""
+    own = os.open("/proc/self/ns/net", os.O_RDONLY)
+    target = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        _setns(target)
+        try:
+            fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", ifname.encode(), IFF_TUN | IFF_NO_PI))
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)
+        os.close(target)
+    return fd
+
+
+@dataclass
+class Link:
+    """One direction of a host's access link."""
+
+    rate_bps: float
+    latency_s: float
+    jitter_s: float
+    loss: float
+    queue_s: float
+    busy_until: float = 0.0
+    last_delivery: float = 0.0
+    dropped: int = 0
+    carried: int = 0
+
+    def schedule(self, now: float, size: int, rng: random.Random) -> float | None:
+        """When a packet entering now leaves the far end, or None if it is lost or the queue is full."""
+        start = max(now, self.busy_until)
+        if start - now > self.queue_s or (self.loss and rng.random() < self.loss):
+            self.dropped += 1
+            return None
+        self.busy_until = start + size * 8 / self.rate_bps
+        jitter = rng.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
+        delivery = max(self.busy_until + max(0.0, self.latency_s + jitter), self.last_delivery)
+        self.last_delivery = delivery
+        self.carried += 1
+        return delivery
+
+
+def _links(profile: dict) -> tuple[Link, Link]:
+    latency, jitter, loss = profile["latency_ms"] / 1e3, profile["jitter_ms"] / 1e3, profile["loss"]
+    # Room for a few round trips of data at full rate, so TCP can fill the link; beyond that, tail drop.
+    queue_s = max(0.05, 4 * latency + 0.02)
+    return (Link(profile["up_mbit"] * 1e6, latency, jitter, loss, queue_s),
+            Link(profile["down_mbit"] * 1e6, latency, jitter, loss, queue_s))
+
+
+def main() -> int:
+    config = json.load(open(sys.argv[1]))
+    rng = random.Random(config.get("seed", 0))
+    hosts = config["hosts"]  # [{name, namespace, address, profile}]
+    fds, up, down, by_address = {}, {}, {}, {}
+    for host in hosts:
+        fd = open_tun(host["namespace"], "wan0")
+        fds[host["name"]] = fd
+        up[host["name"]], down[host["name"]] = _links(host["profile"])
+        by_address[bytes(int(x) for x in host["address"].split("."))] = host["name"]
+        ns = ["ip", "netns", "exec", host["namespace"]]
+        subprocess.run(ns + ["ip", "addr", "add", f"{host['address']}/{config['prefix_len']}", "dev", "wan0"], check=True)
+        subprocess.run(ns + ["ip", "link", "set", "wan0", "mtu", str(MTU), "up"], check=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    selector = selectors.DefaultSelector()
+    for name, fd in fds.items():
+        selector.register(fd, selectors.EVENT_READ, name)
+    events: list = []  # (time, seq, stage, destination, packet)
+    seq = 0
+    print("ready", flush=True)
+    while not stop:
+        now = time.monotonic()
+        timeout = max(0.0, events[0][0] - now) if events else 0.5
+        for key, _ in selector.select(min(timeout, 0.5)):
+            source = key.data
+            for _ in range(64):  # drain what is there, but keep deliveries on time
+                try:
+                    packet = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    break
+                if len(packet) < 20 or packet[0] >> 4 != 4:
+                    continue  # IPv4 only (router solicitations and the like are dropped)
+                destination = by_address.get(packet[16:20])
+                if destination is None or destination == source:
+                    continue
+                arrival = up[source].schedule(time.monotonic(), len(packet), rng)
+                if arrival is not None:
+                    seq += 1
+                    heapq.heappush(events, (arrival, seq, 1, destination, packet))
+        now = time.monotonic()
+        while events and events[0][0] <= now:
+            _, _, stage, destination, packet = heapq.heappop(events)
+            if stage == 1:  # reached the far side of the sender's uplink: now the receiver's downlink
+                delivery = down[destination].schedule(now, len(packet), rng)
+                if delivery is not None:
+                    seq += 1
+                    heapq.heappush(events, (delivery, seq, 2, destination, packet))
+            else:
+                try:
+                    os.write(fds[destination], packet)
+                except (BlockingIOError, OSError):
+                    down[destination].dropped += 1
+    stats = {name: {"up_dropped": up[name].dropped, "down_dropped": down[name].dropped,
+                    "up_packets": up[name].carried, "down_packets": down[name].carried} for name in fds}
+    print(json.dumps({"stats": stats}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
