@@ -4,9 +4,9 @@ Two phases, so quantization error does not grow with the number of members (a ri
 partial sums at every hop would):
 
 1. scatter: every member cuts its tensor into one chunk per member, encodes each chunk once and
-   sends chunk j to member j (all-to-all). Member j decodes the contributions and sums them in fp32,
+   sends chunk j to member j (pairwise exchange steps). Member j decodes the contributions and sums them in fp32,
    in rank order, then divides by the number of contributors.
-2. gather: member j encodes its mean chunk once and all-gathers it. Every member, j included, decodes
+2. gather: member j encodes its mean chunk once and sends it to every other member (pairwise steps). Every member, j included, decodes
    the same bytes, so all members end with bit-identical results.
 
 Before the data moves, members exchange a small header (finite? norm?), so a member whose tensor is
@@ -52,6 +52,46 @@ def _wait(work, phase: str) -> None:
         raise CollectiveError(f"{phase} failed: {e}", phase) from e
 
 
+def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
+              arrived: Callable[[int], None]) -> None:
+    """Sends a distinct buffer to every other member: in step s a member sends to rank + s (so it
+    receives from rank - s). Sends go one at a time, so each uplink carries one flow and each downlink
+    mostly one (posting every send at once, as Gloo's all-to-all does, makes N-1 senders converge on
+    each receiver's downlink: on a WAN, queue overflow, losses and collapsing TCP windows). Receives
+    are all posted up front, so a step never waits for the slower direction of the one before; each
+    arrival is decoded (`arrived`) while later transfers are on the wire."""
+    rank, world = pg.rank(), pg.size()
+    receiving = [(frm, pg.recv([incoming(frm)], frm, tag)) for frm in ((rank - s) % world for s in range(1, world))]
+    arrived(rank)  # the member's own piece, while the first transfer is on the wire
+    for step in range(1, world):
+        to = (rank + step) % world
+        sending = pg.send([outgoing(to)], to, tag)
+        if step + 1 < world:
+            outgoing((rank + step + 1) % world)  # prepare the next buffer meanwhile
+        frm, work = receiving[step - 1]
+        _wait(work, phase)
+        arrived(frm)
+        _wait(sending, phase)
+
+
+def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, tag: int,
+                 arrived: Callable[[int], None]) -> None:
+    """All-gather on a ring: in step s a member forwards chunk (rank - s + 1) to rank + 1 and receives
+    chunk (rank - s) from rank - 1. Every member uploads N-1 chunks over one connection that stays busy
+    (its TCP window stays open), and decodes each chunk while the next one is on the wire."""
+    rank, world = pg.rank(), pg.size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    done = rank
+    for step in range(1, world):
+        sending = pg.send([chunks[(rank - step + 1) % world]], right, tag)
+        receiving = pg.recv([chunks[(rank - step) % world]], left, tag)
+        arrived(done)
+        _wait(receiving, phase)
+        _wait(sending, phase)
+        done = (rank - step) % world
+    arrived(done)
+
+
 def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributes: list[bool],
                     valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None) -> AllReduceResult:
@@ -92,39 +132,56 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
     if rank in contributors:
         padded[:total] = x
     encoded = codec.encoded_size(chunk)
-    send = torch.cat([codec.encode(padded[j * chunk:(j + 1) * chunk]) for j in range(world)])
-    recv = torch.empty_like(send)
-    _wait(pg.alltoall_base(recv, send, [], []), "scatter")
-    if on_phase:
-        on_phase("scatter")
+    outgoing: dict[int, torch.Tensor] = {}
 
+    def encoded_chunk(j: int) -> torch.Tensor:  # encoded when first needed, so encoding overlaps sending
+        if j not in outgoing:
+            outgoing[j] = codec.encode(padded[j * chunk:(j + 1) * chunk])
+        return outgoing[j]
+
+    recv = torch.empty(encoded * world, dtype=torch.uint8)
     # A chunk cannot be larger than the whole tensor its sender declared; int8 carries no NaN, so this
     # (with finite scales) is what catches a peer that lies in its header and sends garbage.
     slack = 1.05
-    mean_chunk = torch.zeros(chunk)
-    for r in contributors:
-        part = codec.decode(recv[r * encoded:(r + 1) * encoded], chunk)
+    parts: dict[int, torch.Tensor] = {}
+
+    def accumulate(r: int) -> None:
+        if r not in contributors:
+            return
+        buf = encoded_chunk(r) if r == rank else recv[r * encoded:(r + 1) * encoded]
+        part = codec.decode(buf, chunk)
         part_norm = float(part.norm())
         if not math.isfinite(part_norm) or part_norm > slack * float(headers[r][1]) + 1e-12:
             raise CollectiveError(f"rank {r} sent data for chunk {rank} that does not match its header "
                                   f"(norm {part_norm:.3g}, declared {float(headers[r][1]):.3g})", "scatter", blame=[r])
-        mean_chunk += part
+        parts[r] = part
+
+    _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate)
+    if on_phase:
+        on_phase("scatter")
+    mean_chunk = torch.zeros(chunk)
+    for r in contributors:  # summed in rank order, whatever order they arrived in: deterministic
+        mean_chunk += parts[r]
     mean_chunk /= len(contributors)
 
     mine = codec.encode(mean_chunk)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    _wait(pg.allgather([gathered], [mine]), "gather")
-    if on_phase:
-        on_phase("gather")
+    gathered[rank] = mine
+    mean = torch.empty(chunk * world)
     bound = slack * slack * max(float(headers[r][1]) for r in contributors) + 1e-12
-    pieces = []
-    for r, buf in enumerate(gathered):
-        piece = codec.decode(buf, chunk)
+
+    def place(r: int) -> None:
+        piece = codec.decode(gathered[r], chunk)
         piece_norm = float(piece.norm())
         if not math.isfinite(piece_norm) or piece_norm > bound:
             raise CollectiveError(f"rank {r} sent a mean chunk larger than any input (norm {piece_norm:.3g})",
                                   "gather", blame=[r])
-        pieces.append(piece)
-    mean = torch.cat(pieces)[:total]
+        mean[r * chunk:(r + 1) * chunk] = piece
+
+    # place(rank) decodes the member's own chunk from the encoded bytes, like everyone else's.
+    _ring_gather(pg, gathered, "gather", 2, place)
+    if on_phase:
+        on_phase("gather")
+    mean = mean[:total]
     moved = (world - 1) * encoded * 2 + (world - 1) * 16  # both phases plus the headers
     return AllReduceResult(mean, contributors, refused, moved, moved, time.perf_counter() - started)

@@ -49,11 +49,13 @@ def _lie(pg, x, codec, world, queue):
     header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel())])
     pg.allgather([[torch.empty(4) for _ in range(world)]], [header]).wait()
     chunk = -(-(-(-x.numel() // world)) // BLOCK) * BLOCK
-    garbage = torch.cat([codec.encode(torch.randn(chunk) * 1e6) for _ in range(world)])
-    pg.alltoall_base(torch.empty_like(garbage), garbage, [], []).wait()
+    garbage = codec.encode(torch.randn(chunk) * 1e6)
     try:
-        mine = codec.encode(torch.zeros(chunk))
-        pg.allgather([[torch.empty_like(mine) for _ in range(world)]], [mine]).wait()
+        for tag in (1, 2):  # scatter, then gather: pairwise steps, as the honest members do
+            for step in range(1, world):
+                sent = pg.send([garbage], (1 + step) % world, tag)
+                pg.recv([torch.empty_like(garbage)], (1 - step) % world, tag).wait()
+                sent.wait()
     except RuntimeError:
         pass  # the honest members stopped talking to it
     queue.put((1, None, None, {}, 0, ("liar", [])))

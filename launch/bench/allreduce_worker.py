@@ -1,0 +1,55 @@
+"""One member of the all-reduce benchmark (started inside a WAN namespace by launch/bench/allreduce.py)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from elastic_mesh.codecs import codec_for  # noqa: E402
+from elastic_mesh.collectives import all_reduce_mean  # noqa: E402
+
+
+def main() -> None:
+    rank, world, master, mb, repeats, interface = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                                   float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    torch.set_num_threads(1)
+    host, port = master.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=300))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=600)
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+    pg = dist.ProcessGroupGloo(store, rank, world, options)
+    n = int(mb * 1e6 / 4)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    results = {"gloo_fp32": [], "prime_int8": [], "int8_bytes_sent": 0}
+    pg.barrier().wait()
+    for _ in range(repeats):
+        for name in ("gloo_fp32", "prime_int8"):
+            pg.barrier().wait()
+            started = time.perf_counter()
+            if name == "gloo_fp32":
+                y = x.clone()
+                pg.allreduce([y]).wait()
+            else:
+                marks = {}
+                result = all_reduce_mean(pg, x, codec_for("int8"), [True] * world,
+                                         on_phase=lambda p: marks.__setitem__(p, time.perf_counter() - started))
+                results.setdefault("phases", []).append(marks)
+                results["int8_bytes_sent"] = result.bytes_sent
+            results[name].append(time.perf_counter() - started)
+    if rank == 0:
+        exact = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)) / world
+        results["int8_error"] = ((result.mean - exact).norm() / exact.norm()).item()
+        print(json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
