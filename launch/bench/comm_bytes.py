@@ -1,0 +1,120 @@
+"""Benchmark: bytes on the wire per inner step, DiLoCo (int8) against data-parallel fp32 gradient all-reduce.
+
+Both run between the same emulated hosts (launch/wan.py) on the same model size, and the bytes are
+counted on the hosts' network interfaces (/proc/net/dev of each namespace), so TCP/IP headers,
+coordinator traffic and rendezvous are all included.
+- DiLoCo: a real run of `prime.train --join` on every host (debug-shaped model, H inner steps).
+- Data-parallel: what DDP/FSDP does every step, one Gloo fp32 all_reduce of a gradient-sized tensor.
+
+    python launch/bench/comm_bytes.py [--nodes 2] [--inner-steps 100 500] [--dp-steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from launch.cluster import LocalCluster  # noqa: E402
+from launch.wan import LinkProfile, WanTopology  # noqa: E402
+from prime.config import load_config  # noqa: E402
+from prime.model import build_model, count_parameters  # noqa: E402
+
+MODEL = ["--model.hidden_size", "256", "--model.intermediate_size", "512", "--model.num_layers", "2",
+         "--model.num_heads", "4", "--model.num_kv_heads", "2"]
+
+DP_WORKER = """
+import datetime, sys, torch, torch.distributed as dist
+rank, world, master, numel, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+host, port = master.rsplit(':', 1)
+store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=120))
+options = dist.ProcessGroupGloo._Options(); options._timeout = datetime.timedelta(seconds=300)
+options._devices = [dist.ProcessGroupGloo.create_device(interface='wan0')]
+pg = dist.ProcessGroupGloo(store, rank, world, options)
+grad = torch.randn(numel)
+for _ in range(steps):
+    pg.allreduce([grad]).wait()
+"""
+
+
+def interface_bytes(wan: WanTopology, host: str) -> int:
+    text = subprocess.run(wan.exec_prefix(host) + ["cat", "/proc/net/dev"], capture_output=True, text=True).stdout
+    for line in text.splitlines():
+        if line.strip().startswith("wan0:"):
+            fields = line.split(":", 1)[1].split()
+            return int(fields[8])  # bytes transmitted
+    raise RuntimeError(f"no wan0 interface in {host}'s namespace")
+
+
+def total_sent(wan: WanTopology, hosts: list[str]) -> int:
+    return sum(interface_bytes(wan, h) for h in hosts)
+
+
+def diloco_bytes(wan, hosts, nodes, corpus, inner_steps) -> tuple[int, int]:
+    """(bytes sent by all hosts, inner steps per node)."""
+    steps = inner_steps * 2
+    overrides = ["--data.path", str(corpus), "--train.max_steps", str(steps), "--diloco.inner_steps", str(inner_steps),
+                 "--train.eval_every", "0", "--checkpoint.every", "0", "--mesh.transfer_timeout_s", "60", *MODEL]
+    before = total_sent(wan, hosts)
+    with tempfile.TemporaryDirectory() as run_dir:
+        with LocalCluster(Path(run_dir), "configs/debug.toml", overrides, wan=wan,
+                          coordinator_args=["--min-wait-s", "30"]) as cluster:
+            cluster.start_coordinator(start_nodes=nodes)
+            for i in range(nodes):
+                cluster.start_node(f"node{i}")
+            codes = cluster.wait_nodes(1800)
+            if any(c != 0 for c in codes.values()):
+                raise RuntimeError(f"DiLoCo nodes failed: {codes}\n{cluster.log('node0')[-2000:]}")
+    return total_sent(wan, hosts) - before, steps
+
+
+def dp_bytes(wan, nodes, numel, steps) -> int:
+    names = [f"node{i}" for i in range(nodes)]
+    before = total_sent(wan, names)
+    master = f"{wan.address('node0')}:29566"
+    procs = [subprocess.Popen(wan.exec_prefix(n) + [sys.executable, "-c", DP_WORKER, str(i), str(nodes), master,
+                                                   str(numel), str(steps)]) for i, n in enumerate(names)]
+    for p in procs:
+        if p.wait(timeout=1800):
+            raise RuntimeError("data-parallel worker failed")
+    return total_sent(wan, names) - before
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="example: python launch/bench/comm_bytes.py --nodes 2 --inner-steps 100 500")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[100, 500])
+    parser.add_argument("--dp-steps", type=int, default=5)
+    args = parser.parse_args()
+    from prime.data.builtin_corpus import prepare
+
+    corpus = prepare()
+    hosts = ["coordinator"] + [f"node{i}" for i in range(args.nodes)]
+    profile = LinkProfile(latency_ms=1, up_mbit=200, down_mbit=200)
+    with WanTopology(hosts, profile) as wan:
+        print(wan.describe(), flush=True)
+        results = {}
+        overrides = dict(zip(MODEL[::2], MODEL[1::2]))
+        config = load_config(REPO / "configs/debug.toml", {k.removeprefix("--"): v for k, v in overrides.items()})
+        params = count_parameters(build_model(config.model, 0, "meta"))
+        for h in args.inner_steps:
+            sent, steps = diloco_bytes(wan, hosts, args.nodes, corpus, h)
+            results[h] = sent / steps
+            print(f"DiLoCo H={h}, int8: {sent / 1e6:.2f} MB sent by all hosts over {steps} inner steps "
+                  f"= {results[h] / 1e3:.1f} kB per inner step", flush=True)
+        dp = dp_bytes(wan, args.nodes, params, args.dp_steps) / args.dp_steps
+        print(f"data-parallel fp32 all-reduce of {params / 1e6:.2f}M gradients: {dp / 1e6:.2f} MB per step")
+        for h, per_step in results.items():
+            print(f"H={h}: DiLoCo sends {dp / per_step:.0f}x fewer bytes per inner step than data-parallel "
+                  f"(ideal for int8 with per-64 scales: {4 / (1 + 2 / 64) * h:.0f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
