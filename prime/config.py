@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+import types
 import typing
 from pathlib import Path
 
@@ -132,11 +133,17 @@ def _field_annotation(dotted: str) -> object | None:
     return annotation
 
 
+def _is_text_field(annotation: object) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return str in typing.get_args(annotation)
+    return annotation is str or origin is typing.Literal
+
+
 def _parse_value(dotted: str, text: str) -> object:
     # Strings stay strings (a path named "1e3" is still a path); anything else is read as a TOML value.
     annotation = _field_annotation(dotted)
-    if annotation is str or (typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType"))
-                             and str in typing.get_args(annotation)) or typing.get_origin(annotation) is typing.Literal:
+    if _is_text_field(annotation):
         return None if text in ("None", "null") and type(None) in typing.get_args(annotation) else text
     try:
         return tomllib.loads(f"v = {text}")["v"]

@@ -22,5 +22,5 @@ class DilocoConfig(BaseModel):
         10.0, gt=1, description="A pseudo-gradient whose norm is over this × the others' median is refused."
     )
     data_slots: int = Field(
-        8, ge=1, description="Nodes the data is split for: node i reads slot i % data_slots (issue: shard leases)."
+        8, ge=1, description="Nodes the data is split for: node i reads data slot i % data_slots."
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
 
 from launch.cluster import LocalCluster
 

@@ -39,6 +39,8 @@ pg = dist.ProcessGroupGloo(store, rank, world, options)
 grad = torch.randn(numel)
 for _ in range(steps):
     pg.allreduce([grad]).wait()
+pg.barrier().wait()
+del pg  # destroyed while the interpreter is alive: at exit, Gloo's threads abort the process
 """
 
 
