@@ -121,6 +121,8 @@ class DilocoHook:
                             self.mesh.name)
                 self.mesh.rejoin(self.mesh.node_facts)
                 self.needs_state, self.contributing = True, False
+                step = self.mesh.joined["committed_step"] + 1
+                pseudo = torch.zeros(sum(self.outer.sizes))
             plan = self.mesh.plan(step, self.contributing, self.needs_state)
             if plan.status in ("missed", "resync"):
                 log.warning("%s: outer step %d %s; its work is dropped, the state comes from a peer",
