@@ -110,3 +110,11 @@ def test_export_gives_the_live_trainers_logits(corpus, tmp_path):
         assert torch.equal(live, exported)
     finally:
         close_local_group()
+
+
+def test_activation_checkpointing_and_z_loss_under_fsdp2(corpus, tmp_path):
+    run_train(["--config", "configs/debug.toml", "--run-dir", str(tmp_path / "run"), "--data.path", str(corpus),
+               "--train.max_steps", "12", "--train.activation_checkpointing", "true", "--train.z_loss", "1e-4",
+               "--train.eval_every", "0", "--checkpoint.every", "0"], nproc=2)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
