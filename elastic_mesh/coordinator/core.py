@@ -78,10 +78,9 @@ class Coordinator:
             self.state.set_meta("run_id", run_id)
             # Whatever was in flight when the previous process died is re-run from scratch; nothing was
             # applied, since nodes apply only after an "apply" decision, which is always written first.
-            for step in self.state.steps():
-                if step.decision == "open":
-                    step.decision = "abort"
-                    self.state.put_step(step)
+            for step in self.state.open_steps():
+                step.decision = "abort"
+                self.state.put_step(step)
             restarted = bool(self.state.nodes())
             if restarted:
                 self.state.event("coordinator restarted; nodes keep their sessions")
@@ -252,10 +251,9 @@ class Coordinator:
             return
         members = sorted(ready, key=lambda nid: live[nid].node_index)
         attempts = self.state.steps(step)
-        previous = self.state.steps()
-        last = previous[-1] if previous else None
+        last = self.state.last_step()
         same = last is not None and last.decision == "apply" and [m["node_id"] for m in last.members] == members
-        epoch = (last.epoch if same else (max(s.epoch for s in previous) + 1 if previous else 1))
+        epoch = last.epoch if same else self.state.max_epoch() + 1
         decision = StepDecision(step, len(attempts) + 1, epoch, [
             {"node_id": nid, "name": live[nid].name, "contributes": ready[nid].contributes,
              "needs_state": ready[nid].needs_state} for nid in members], "open")
@@ -380,18 +378,17 @@ class Coordinator:
                             if m["node_id"] not in self.leases and m["node_id"] not in votes]
                     if gone:
                         self._decide(current, "abort", votes)
-            for step in self.state.steps():
+            for step in self.state.open_steps():
                 # An attempt whose members all died before voting would stay open for ever.
-                if step.decision == "open" and not any(m["node_id"] in self.leases for m in step.members):
+                if not any(m["node_id"] in self.leases for m in step.members):
                     self._decide(step, "abort", self.votes.get((step.outer_step, step.attempt), {}))
 
     # ---- status ------------------------------------------------------------------------------------
     def status(self) -> dict:
         with self.lock:
-            steps = self.state.steps()
             return {
                 "run_id": self.run_id, "address": self.address,
-                "epoch": max((s.epoch for s in steps), default=0),
+                "epoch": self.state.max_epoch(),
                 "committed_step": self.state.committed_step(),
                 "deadline_s": round(self.deadline_s(), 2),
                 "nodes": [{"name": n.name, "node_index": n.node_index, "state": n.state,

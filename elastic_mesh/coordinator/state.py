@@ -97,6 +97,19 @@ class CoordinatorState:
                                " ORDER BY outer_step, attempt", (() if outer_step is None else (outer_step,)))
         return [StepDecision(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
 
+    def open_steps(self) -> list[StepDecision]:
+        rows = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps "
+                               "WHERE decision = 'open'")
+        return [StepDecision(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+
+    def last_step(self) -> StepDecision | None:
+        row = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps "
+                              "ORDER BY outer_step DESC, attempt DESC LIMIT 1").fetchone()
+        return StepDecision(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5]) if row else None
+
+    def max_epoch(self) -> int:
+        return self.db.execute("SELECT COALESCE(MAX(epoch), 0) FROM steps").fetchone()[0]
+
     def committed_step(self) -> int:
         row = self.db.execute("SELECT MAX(outer_step) FROM steps WHERE decision = 'apply'").fetchone()
         return row[0] or 0
