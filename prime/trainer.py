@@ -153,7 +153,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         stats = torch.stack([ce_sum / self.accumulation, grad_norm.to(ce_sum)])
-        dist.all_reduce(stats, op=dist.ReduceOp.AVG) if self.group.world_size > 1 else None
+        if self.group.world_size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.AVG)
         self.step += 1
         tokens = self.config.train.batch_size * self.config.train.seq_len
         self.tokens_seen += tokens
