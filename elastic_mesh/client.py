@@ -90,8 +90,8 @@ class CoordinatorClient:
 class Heartbeat:
     """Renews the node's lease in the background; remembers if the coordinator declared it dead."""
 
-    def __init__(self, client: CoordinatorClient, interval_s: float, progress) -> None:
-        self.client, self.interval_s, self.progress = client, interval_s, progress
+    def __init__(self, client: CoordinatorClient, interval_s: float) -> None:
+        self.client, self.interval_s = client, interval_s
         self.lost: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
@@ -103,7 +103,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.client.post("/v1/heartbeat", self.progress(), retry=False)
+                self.client.post("/v1/heartbeat", {}, retry=False)
             except CoordinatorError as e:
                 if e.status in (401, 410):
                     self.lost = str(e)

@@ -82,7 +82,6 @@ class ElasticDeviceMesh:
         self.client = CoordinatorClient(read_token(token).coordinator, config.request_timeout_s,
                                         config.coordinator_retry_s)
         self.heartbeat: Heartbeat | None = None
-        self.progress: dict = {}
         self._groups: dict[int, dist.ProcessGroup] = {}
         self.joined = self._join()
 
@@ -101,7 +100,7 @@ class ElasticDeviceMesh:
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
-            self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], lambda: self.progress).start()
+            self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"]).start()
         return answer
 
     def share(self, value: dict | None) -> dict:

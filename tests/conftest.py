@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launch.cluster import child_env as cluster_env
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -23,10 +24,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PRIME_PLAIN_LOGS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    # Two cores are shared by every simulated process: one thread each, whatever the caller's setting.
+    return {**cluster_env(), "OMP_NUM_THREADS": "1"}
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -92,20 +92,16 @@ class CoordinatorState:
                          step.model_hash, time.time(), allreduce_s))
 
     def steps(self, outer_step: int | None = None) -> list[StepDecision]:
-        query = "SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps"
-        rows = self.db.execute(query + (" WHERE outer_step = ?" if outer_step is not None else "") +
+        rows = self.db.execute(_STEP_QUERY + (" WHERE outer_step = ?" if outer_step is not None else "") +
                                " ORDER BY outer_step, attempt", (() if outer_step is None else (outer_step,)))
-        return [StepDecision(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+        return [_step(r) for r in rows]
 
     def open_steps(self) -> list[StepDecision]:
-        rows = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps "
-                               "WHERE decision = 'open'")
-        return [StepDecision(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+        return [_step(r) for r in self.db.execute(_STEP_QUERY + " WHERE decision = 'open'")]
 
     def last_step(self) -> StepDecision | None:
-        row = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps "
-                              "ORDER BY outer_step DESC, attempt DESC LIMIT 1").fetchone()
-        return StepDecision(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5]) if row else None
+        row = self.db.execute(_STEP_QUERY + " ORDER BY outer_step DESC, attempt DESC LIMIT 1").fetchone()
+        return _step(row) if row else None
 
     def max_epoch(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(epoch), 0) FROM steps").fetchone()[0]
@@ -148,6 +144,13 @@ class CoordinatorState:
     def events(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT time, text FROM events ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [{"time": t, "text": x} for t, x in reversed(rows)]
+
+
+_STEP_QUERY = "SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps"
+
+
+def _step(row) -> StepDecision:
+    return StepDecision(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
 
 
 _NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, outer_step, model_hash, address, "
