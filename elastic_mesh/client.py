@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,36 @@ class CoordinatorClient:
                 raise CoordinatorError(f"{path} got no answer within {timeout_s:.0f} s")
 
 
-class Heartbeat:
-    """Renews the node's lease in the background; remembers if the coordinator declared it dead."""
+class TelemetryBuffer:
+    """Records (flat dicts of numbers) waiting for the next heartbeat to carry them to the coordinator.
 
-    def __init__(self, client: CoordinatorClient, interval_s: float) -> None:
+    Bounded: while the coordinator is unreachable the oldest records are dropped, never training."""
+
+    def __init__(self, capacity: int = 2000) -> None:
+        self._records: deque[dict] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, record: dict) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def take(self, limit: int = 500) -> list[dict]:
+        with self._lock:
+            return [self._records.popleft() for _ in range(min(limit, len(self._records)))]
+
+    def put_back(self, records: list[dict]) -> None:
+        with self._lock:
+            self._records.extendleft(reversed(records))
+
+
+class Heartbeat:
+    """Renews the node's lease in the background; remembers if the coordinator declared it dead.
+
+    Each heartbeat also carries the telemetry recorded since the last one (for the dashboard)."""
+
+    def __init__(self, client: CoordinatorClient, interval_s: float, telemetry: TelemetryBuffer | None = None) -> None:
         self.client, self.interval_s = client, interval_s
+        self.telemetry = telemetry or TelemetryBuffer()
         self.lost: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
@@ -102,9 +128,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            records = self.telemetry.take()
             try:
-                self.client.post("/v1/heartbeat", {}, retry=False)
+                self.client.post("/v1/heartbeat", {"telemetry": records}, retry=False)
             except CoordinatorError as e:
+                self.telemetry.put_back(records)
                 if e.status in (401, 410):
                     self.lost = str(e)
                     log.warning("coordinator dropped this node: %s", e)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_mesh.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat
+from elastic_mesh.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
 from elastic_mesh.store import CoordinatorStore
 from elastic_mesh.token import read_token
 
@@ -82,6 +82,7 @@ class ElasticDeviceMesh:
         self.client = CoordinatorClient(read_token(token).coordinator, config.request_timeout_s,
                                         config.coordinator_retry_s)
         self.heartbeat: Heartbeat | None = None
+        self.telemetry = TelemetryBuffer()
         self._groups: dict[int, dist.ProcessGroup] = {}
         self.joined = self._join()
 
@@ -100,7 +101,7 @@ class ElasticDeviceMesh:
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
-            self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"]).start()
+            self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], self.telemetry).start()
         return answer
 
     def share(self, value: dict | None) -> dict:
@@ -126,6 +127,11 @@ class ElasticDeviceMesh:
         if "error" in answer:
             raise CoordinatorError(answer["error"], answer.get("status_code"))
         return answer
+
+    def publish(self, record: dict) -> None:
+        """Sends a metrics record to the coordinator's dashboard with the next heartbeat (local rank 0 only)."""
+        if self.local_rank == 0:
+            self.telemetry.add(record)
 
     @property
     def name(self) -> str:

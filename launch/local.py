@@ -41,6 +41,10 @@ def summarize(cluster: LocalCluster, names: list[str]) -> bool:
     return same
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Run a coordinator and N DiLoCo nodes on this machine.",
                                      epilog="example: python launch/local.py --nodes 3 --config configs/cpu-demo.toml "
@@ -66,12 +70,15 @@ def main() -> int:
         index, arg = item.split(":", 1)
         per_node.setdefault(int(index), []).append(arg)
 
+    # `kill` of this launcher stops the cluster the same way Ctrl-C does, instead of orphaning it.
+    signal.signal(signal.SIGTERM, _interrupt)
     names = [f"node{i}" for i in range(args.nodes)]
     cluster = LocalCluster(run_dir, args.config, overrides, args.nproc_per_node, args.coordinator_arg,
                            echo=True, show_steps=args.show_steps)
     with cluster:
         cluster.start_coordinator(start_nodes=args.nodes - len(late))
         print(f"coordinator on 127.0.0.1:{cluster.port}; join token: {cluster.token[:24]}...")
+        print(f"dashboard: http://127.0.0.1:{cluster.port}/#token={cluster.token}")
         started = time.monotonic()
         pending = sorted(range(args.nodes), key=lambda i: late.get(i, 0))
         try:

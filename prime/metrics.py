@@ -1,11 +1,10 @@
-"""Where numbers go: metrics.jsonl in the run directory, optionally wandb, and a progress display."""
+"""Where numbers go: metrics.jsonl in the run directory, optionally wandb, and any other sinks (the
+terminal display, the coordinator's dashboard)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ class MetricsConfig(BaseModel):
     wandb: bool = Field(False, description="Also log to Weights & Biases (pip install 'prime[wandb]').")
     wandb_project: str = Field("prime", description="wandb project.")
     wandb_mode: str = Field("offline", description="wandb mode: offline works with no network; online syncs.")
-    progress: bool = Field(True, description="Show a progress bar when stdout is a terminal.")
+    progress: bool = Field(True, description="Show a live progress line on a terminal (log lines otherwise).")
 
 
 class MetricsWriter:
@@ -30,29 +29,48 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, config: MetricsConfig, run_name: str, enabled: bool,
                  wandb_config: dict | None = None) -> None:
-        self.enabled = enabled
+        self.enabled, self.config, self.run_dir = enabled, config, run_dir
+        self.run_name, self.run_group = run_name, None
         self._file = None
         self._wandb = None
+        self._wandb_config = wandb_config or {}
+        self.sinks: list = []  # more consumers of every record, e.g. the terminal display, the dashboard
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1, encoding="utf-8")
         if config.wandb:
             try:
-                import wandb
+                import wandb  # noqa: F401  (fail now, not at the first step)
             except ImportError:
                 raise RuntimeError("metrics.wandb = true but wandb is not installed; pip install 'prime[wandb]'") from None
-            self._wandb = wandb.init(project=config.wandb_project, name=run_name, mode=config.wandb_mode,
-                                     dir=str(run_dir), config=wandb_config or {})
+
+    def name_run(self, name: str, group: str | None) -> None:
+        """A node of a multi-node run: its wandb run is named after the node and grouped by the run id."""
+        if self._wandb is not None:
+            raise RuntimeError("name the run before the first record is written")
+        self.run_name, self.run_group = name, group
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {"time": round(time.time(), 3), **record}
         self._file.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            step = record.get("step")
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        for sink in self.sinks:
+            sink(record)
+        if self.config.wandb:
+            self._log_wandb(record)
+
+    def _log_wandb(self, record: dict) -> None:
+        if self._wandb is None:
+            import wandb
+
+            self._wandb = wandb.init(project=self.config.wandb_project, name=self.run_name, group=self.run_group,
+                                     mode=self.config.wandb_mode, dir=str(self.run_dir), config=self._wandb_config,
+                                     job_type="node" if self.run_group else "train")
+        values = wandb_metrics(record)
+        if values:
+            self._wandb.log(values, step=record.get("step"))
 
     def close(self) -> None:
         if self._file:
@@ -61,31 +79,20 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-class Progress:
-    """A progress bar on a terminal; a log line every `every` steps otherwise."""
+# metrics.jsonl field -> wandb name, by kind of record. Documented in the README ("Metrics").
+_WANDB_NAMES = {
+    "outer": {"outer_step": "outer/step", "members": "outer/members", "nodes": "outer/nodes", "attempt": "outer/attempt",
+              "epoch": "outer/epoch", "allreduce_s": "outer/allreduce_s", "outer_s": "outer/round_s",
+              "bytes_sent": "outer/bytes_sent", "bytes_received": "outer/bytes_received",
+              "tokens_contributed": "outer/tokens_contributed"},
+    "eval": {"eval_loss": "eval/loss"},
+    "train": {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
+              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "step_s": "train/step_s"},
+}
 
-    def __init__(self, total: int, start: int, enabled: bool, every: int, prefix: str, quiet: bool = False) -> None:
-        # Only one process per node speaks; `quiet` keeps events (eval, checkpoints) but drops per-step output.
-        self.enabled, self.quiet, self.every, self.prefix = enabled, quiet, every, prefix
-        self._bar = None
-        if enabled and not quiet and sys.stderr.isatty() and not os.environ.get("PRIME_PLAIN_LOGS"):
-            from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, desc=prefix, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix_str(text, refresh=False)
-        elif self.enabled and not self.quiet and step % self.every == 0:
-            log.info("%s step %d %s", self.prefix, step, text)
-
-    def note(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.write(f"{self.prefix} {text}")
-        elif self.enabled:
-            log.info("%s %s", self.prefix, text)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+def wandb_metrics(record: dict) -> dict:
+    kind = "outer" if "outer_step" in record else "eval" if "eval_loss" in record else "train"
+    names = _WANDB_NAMES[kind]
+    return {names[k]: v for k, v in record.items()
+            if k in names and isinstance(v, (int, float)) and not isinstance(v, bool)}

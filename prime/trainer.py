@@ -23,7 +23,8 @@ from prime.data.loader import (BatchIterator, DataPosition, PackedSequenceStream
 from prime.data.tokenizer import load_tokenizer
 from prime.distributed import LocalGroup
 from prime.flops import peak_flops
-from prime.metrics import MetricsWriter, Progress
+from prime.metrics import MetricsWriter
+from prime.progress import ProgressDisplay
 from prime.model import build_model, count_parameters, flops_per_token
 from prime.optim import build_optimizer
 from prime.parallelize import compute_dtype, parallelize, uses_fsdp
@@ -71,9 +72,10 @@ class Trainer:
         self.peak = config.train.peak_tflops * 1e12 if config.train.peak_tflops else peak_flops(group.device, self.dtype)
         self.metrics = MetricsWriter(self.run_dir, config.metrics, config.name, enabled=group.is_leader,
                                      wandb_config=config.model_dump())
-        self.progress = Progress(config.train.max_steps, self.step,
-                                 enabled=group.is_leader, quiet=quiet or not config.metrics.progress,
-                                 every=config.train.log_every, prefix=self.prefix)
+        self.progress = ProgressDisplay(config.train.max_steps, self.step, enabled=group.is_leader,
+                                        quiet=quiet or not config.metrics.progress, every=config.train.log_every,
+                                        prefix=self.prefix)
+        self.metrics.sinks.append(self.progress.observe)
         if group.is_leader:
             log.info("%s model %.2fM params, %d local rank(s) on %s, %s, batch %d × %d tokens, %d accumulation step(s)",
                      self.prefix, self.num_params / 1e6, group.world_size, group.device, self.dtype,
@@ -206,7 +208,6 @@ class Trainer:
                 self.metrics.write({"step": self.step, "eval_loss": record["eval_loss"], "tokens": self.tokens_seen})
                 self.progress.note(f"step {self.step} eval_loss {record['eval_loss']:.4f}")
             self.metrics.write({k: v for k, v in record.items() if k != "eval_loss"})
-            self.progress.update(self.step, f"loss {record['loss']:.3f} {record['tokens_per_s']:.0f} tok/s")
             if (every and self.step % every == 0) or last:
                 self.save_checkpoint()
         return record

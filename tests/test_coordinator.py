@@ -188,3 +188,35 @@ def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
             CoordinatorStore(client, "e1/r0/", timeout_s=1.5).get("missing")
     finally:
         server.stop()
+
+
+def test_telemetry_is_cleaned_kept_across_restarts_and_shown_per_node(tmp_path):
+    config = CoordinatorConfig(lease_s=30, poll_s=1.0)
+    server = start_coordinator(tmp_path / "coord", config=config)
+    client = joined(server, tmp_path, "alpha")
+    records = [{"step": 1, "loss": 5.5, "tokens": 512, "time": 1.0},
+               {"step": 2, "loss": float("nan"), "tokens": 1024, "evil": "x" * 100},  # NaN and unknown field dropped
+               {"outer_step": 1, "allreduce_s": 0.5, "bytes_sent": 1_000_000, "tokens_contributed": 1024},
+               "not a record", {"loss": True}, {}]
+    client.post("/v1/heartbeat", {"telemetry": records})
+    client.post("/v1/heartbeat", {"telemetry": "garbage"})  # ignored, the heartbeat still counts
+    node = client.get_status()["nodes"][0]
+    assert node["step"] == 2 and node["loss"] == 5.5 and node["link_mbit_s"] == 16.0 and node["last_heartbeat_s"] < 5
+    port = server.port
+    server.stop()
+    server = start_coordinator(tmp_path / "coord", port=port, config=config)
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/history?after=0",
+                                         headers={"Authorization": f"Bearer {make_token(tmp_path / 'coord', 60)}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            kept = json.loads(response.read())
+        assert kept["records"] == [
+            {"node": "alpha", "step": 1, "loss": 5.5, "tokens": 512, "time": 1.0},
+            {"node": "alpha", "step": 2, "tokens": 1024},
+            {"node": "alpha", "outer_step": 1, "allreduce_s": 0.5, "bytes_sent": 1_000_000, "tokens_contributed": 1024}]
+        later = urllib.request.Request(f"http://127.0.0.1:{port}/v1/history?after={kept['last_id']}",
+                                       headers=request.headers)
+        with urllib.request.urlopen(later, timeout=10) as response:
+            assert json.loads(response.read())["records"] == []
+    finally:
+        server.stop()

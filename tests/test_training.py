@@ -81,6 +81,22 @@ def test_hf_export_of_a_sharded_checkpoint(two_rank_run, tmp_path):
         assert torch.equal(ours(input_ids=inputs).logits, theirs(input_ids=inputs).logits)
 
 
+def test_exported_tokenizer_gives_our_ids_and_generate_writes_text(two_rank_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from prime.data.tokenizer import ByteTokenizer
+    from prime.export import export_checkpoint, sample
+
+    out = export_checkpoint(two_rank_run / "checkpoints" / "step_00000040", tmp_path / "hf")
+    theirs, ours = AutoTokenizer.from_pretrained(out), ByteTokenizer()
+    text = "def f(x):\n\treturn x  # héllo, 世界 ✓\r\n"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    continuation = sample(out, "import ", new_tokens=12)
+    assert continuation.startswith("import ") and len(continuation.encode()) >= len("import ") + 1
+
+
 def test_export_refuses_a_non_checkpoint(tmp_path, capsys):
     from prime.export import main as export_main
 

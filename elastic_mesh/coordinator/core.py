@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
+from elastic_mesh.coordinator.telemetry import TelemetryLog
 from elastic_mesh.token import TokenError, verify_token
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Coordinator:
         self.unservable: dict[int, str] = {}
         self.last_ready_at: dict[str, float] = {}
         self.started = time.monotonic()
+        self.telemetry = TelemetryLog(state)
         with self.state.transaction():
             self.state.set_meta("run_id", run_id)
             # Whatever was in flight when the previous process died is re-run from scratch; nothing was
@@ -90,14 +92,15 @@ class Coordinator:
                 self.leases[node.node_id] = now + config.lease_s * 2  # grace for nodes to reconnect
 
     # ---- admission -------------------------------------------------------------------------------
-    def join(self, body: dict) -> dict:
+    def join(self, body: dict, peer: str = "") -> dict:
+        """Admits a node with a valid token; `peer` is the address its request came from."""
         try:
             verify_token(self.secret, self.run_id, str(body.get("token", "")))
         except TokenError as e:
             raise Refused(403, str(e)) from None
         name = str(body.get("name", ""))[:64] or "node"
         fingerprint, procs = str(body.get("fingerprint", "")), int(body.get("procs_per_node", 0))
-        model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256]
+        model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256] or peer
         with self.lock, self.state.transaction():
             run_fp = self.state.get_meta("fingerprint")
             run_procs = self.state.get_meta("procs_per_node")
@@ -158,6 +161,7 @@ class Coordinator:
             if self.state.node(node.node_id).state != "active":
                 raise Refused(410, f"{node.name} was declared dead; join again to continue")
             self.leases[node.node_id] = time.monotonic() + self.config.lease_s
+            self.telemetry.received(node.node_id, body.get("telemetry"), time.time())
         return {"committed_step": self.state.committed_step()}
 
     def leave(self, node: Node) -> dict:
@@ -384,8 +388,16 @@ class Coordinator:
                     self._decide(step, "abort", self.votes.get((step.outer_step, step.attempt), {}))
 
     # ---- status ------------------------------------------------------------------------------------
+    def history(self, after_id: int) -> dict:
+        """Telemetry records after `after_id` and every outer-step attempt: what the dashboard plots."""
+        with self.lock:
+            names = {n.node_id: n.name for n in self.state.nodes()}
+            return {**self.telemetry.history(after_id, names), "steps": self.state.step_summaries(limit=100_000),
+                    "events": self.state.events(limit=500)}
+
     def status(self) -> dict:
         with self.lock:
+            now = time.time()
             return {
                 "run_id": self.run_id, "address": self.address,
                 "epoch": self.state.max_epoch(),
@@ -394,7 +406,8 @@ class Coordinator:
                 "nodes": [{"name": n.name, "node_index": n.node_index, "state": n.state,
                            "alive": n.node_id in self.leases, "address": n.address, "joined_at": n.joined_at,
                            "outer_step": n.outer_step, "contributions": n.contributions, "refused": n.refused,
-                           "model_hash": n.model_hash} for n in self.state.nodes()],
+                           "model_hash": n.model_hash,
+                           **self.telemetry.node_summary(n.node_id, now)} for n in self.state.nodes()],
                 "steps": self.state.step_summaries(),
                 "events": self.state.events(),
             }

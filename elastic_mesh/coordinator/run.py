@@ -41,7 +41,10 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
         visible = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
         advertise = f"{visible}:{server.port}"
     server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise)
-    (state_dir / "address").write_text(advertise)
+    # Atomically: launchers poll for this file and must never read it half-written.
+    staging = state_dir / "address.tmp"
+    staging.write_text(advertise)
+    staging.replace(state_dir / "address")
     server.start()
     return server
 

@@ -1,4 +1,4 @@
-"""HTTP front of the coordinator: JSON in, JSON out, every request but join and status authenticated.
+"""HTTP front of the coordinator: JSON in, JSON out, every request but join authenticated; the dashboard at `/`.
 
 Nothing is unpickled; bodies are size-limited; every socket has a read timeout so a silent client
 cannot hold a thread for ever.
@@ -12,10 +12,22 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from elastic_mesh.coordinator.core import Coordinator, Refused
 
 log = logging.getLogger(__name__)
+
+_DASHBOARD = Path(__file__).parent / "dashboard"
+# Served from the package, nothing else: no path from the request ever reaches the file system.
+DASHBOARD_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/index.html": ("index.html", "text/html; charset=utf-8"),
+    "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+    "/charts.js": ("charts.js", "text/javascript; charset=utf-8"),
+}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -27,23 +39,39 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), fmt % args)
 
     def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+        self._send(status, "application/json", json.dumps(body).encode())
+
+    def _send(self, status: int, content_type: str, data: bytes) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
         self.end_headers()
         self.wfile.write(data)
 
     def do_GET(self):
-        if self.path.rstrip("/") in ("/status", "/v1/status"):
-            coordinator = self.server.coordinator
-            if not coordinator.may_read_status(self.headers.get("Authorization", ""),
-                                               self.headers.get("X-Prime-Node", ""),
-                                               self.headers.get("X-Prime-Session", "")):
-                return self._reply(401, {"error": "the status needs a join token (Authorization: Bearer TOKEN); "
-                                                  "or start the coordinator with --public-status"})
-            return self._reply(200, coordinator.status())
-        self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+        url = urlsplit(self.path)
+        page = DASHBOARD_FILES.get(url.path)
+        if page is not None:
+            # The page itself holds no data; what it shows comes from /status and /v1/history, which check
+            # the token the page sends (taken from the URL's #fragment, which never reaches a server).
+            return self._send(200, page[1], (_DASHBOARD / page[0]).read_bytes())
+        if url.path.rstrip("/") not in ("/status", "/v1/status", "/v1/history"):
+            return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+        coordinator = self.server.coordinator
+        if not coordinator.may_read_status(self.headers.get("Authorization", ""),
+                                           self.headers.get("X-Prime-Node", ""),
+                                           self.headers.get("X-Prime-Session", "")):
+            return self._reply(401, {"error": "the status needs a join token (Authorization: Bearer TOKEN, or open "
+                                              "the dashboard as http://HOST:PORT/#token=TOKEN); or start the "
+                                              "coordinator with --public-status"})
+        if url.path.startswith("/v1/history"):
+            try:
+                after = int(parse_qs(url.query).get("after", ["0"])[0])
+            except ValueError:
+                return self._reply(400, {"error": "after must be an integer (the last_id of the previous answer)"})
+            return self._reply(200, self.server.coordinator.history(after))
+        return self._reply(200, coordinator.status())
 
     def do_POST(self):
         coordinator = self.server.coordinator
@@ -62,7 +90,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path not in _ROUTES:
                 return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
             if self.path == "/v1/join":
-                return self._reply(200, coordinator.join(body))
+                return self._reply(200, coordinator.join(body, peer=self.client_address[0]))
             node = coordinator.authenticate(self.headers.get("X-Prime-Node", ""),
                                             self.headers.get("X-Prime-Session", ""))
             self._reply(200, _ROUTES[self.path](coordinator, node, body))

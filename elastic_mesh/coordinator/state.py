@@ -26,6 +26,8 @@ CREATE TABLE IF NOT EXISTS commits (
     outer_step INTEGER NOT NULL, node_id TEXT NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (outer_step, node_id));
 CREATE TABLE IF NOT EXISTS store (key TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS telemetry (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, time REAL NOT NULL,
+    record TEXT NOT NULL);
 """
 
 
@@ -87,7 +89,12 @@ class CoordinatorState:
 
     # steps
     def put_step(self, step: StepDecision, allreduce_s: float | None = None) -> None:
-        self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        # Later writes (the commit's majority hash) keep the decision's time and all-reduce time.
+        self.db.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (outer_step, attempt) DO UPDATE "
+                        "SET epoch = excluded.epoch, members = excluded.members, decision = excluded.decision, "
+                        "model_hash = excluded.model_hash, allreduce_s = COALESCE(excluded.allreduce_s, "
+                        "steps.allreduce_s), decided_at = CASE WHEN steps.decision = excluded.decision "
+                        "THEN steps.decided_at ELSE excluded.decided_at END",
                         (step.outer_step, step.attempt, step.epoch, json.dumps(step.members), step.decision,
                          step.model_hash, time.time(), allreduce_s))
 
@@ -111,6 +118,7 @@ class CoordinatorState:
         return row[0] or 0
 
     def step_summaries(self, limit: int = 50) -> list[dict]:
+        """The last `limit` attempts, oldest first."""
         rows = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash, decided_at, "
                                "allreduce_s FROM steps ORDER BY outer_step DESC, attempt DESC LIMIT ?", (limit,))
         return [{"outer_step": r[0], "attempt": r[1], "epoch": r[2], "members": [m["name"] for m in json.loads(r[3])],
@@ -144,6 +152,18 @@ class CoordinatorState:
     def events(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT time, text FROM events ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [{"time": t, "text": x} for t, x in reversed(rows)]
+
+
+    # telemetry (the dashboard's history; kept so a restarted coordinator still shows the whole run)
+    def telemetry_add(self, node_id: str, records: list[dict]) -> None:
+        now = time.time()
+        self.db.executemany("INSERT INTO telemetry (node_id, time, record) VALUES (?, ?, ?)",
+                            [(node_id, r.get("time", now), json.dumps(r)) for r in records])
+
+    def telemetry_since(self, after_id: int, limit: int) -> list[tuple[int, str, dict]]:
+        rows = self.db.execute("SELECT id, node_id, record FROM telemetry WHERE id > ? ORDER BY id LIMIT ?",
+                               (after_id, limit)).fetchall()
+        return [(i, n, json.loads(r)) for i, n, r in rows]
 
 
 _STEP_QUERY = "SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps"

@@ -1,0 +1,164 @@
+"""The coordinator's dashboard, rendered by a real headless Chromium against a running 2-node cluster,
+and `prime.report` over the files that run left behind.
+
+Chromium is Debian's `chromium` package; the fixture installs it when it is missing (root + apt). A
+machine that cannot have it fails this test with the command to run: it never passes without a browser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from launch.cluster import LocalCluster
+
+OVERRIDES = ["--train.max_steps", "400", "--train.eval_every", "10", "--chaos.step_delay_s", "0.05", "--checkpoint.keep", "100"]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for attempt in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
+                        ["apt-get", "install", "-y", "-q", "chromium"]):  # update only if the first try fails
+            subprocess.run(attempt, check=False, capture_output=True, timeout=600, env=env)
+            found = shutil.which("chromium")
+            if found:
+                break
+    if found is None:
+        pytest.fail("headless Chromium is needed for the dashboard test: apt-get install chromium")
+    return found
+
+
+def render(chromium: str, url: str, screenshot=None) -> str:
+    """The page's DOM after its scripts ran (and polled the coordinator) for a few seconds."""
+    args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1100",
+            "--virtual-time-budget=8000"]
+    args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    result = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def canvas_points(dom: str, chart: str) -> int:
+    match = re.search(rf'<canvas id="{chart}"[^>]*data-points="(\d+)"', dom)
+    assert match, f"chart {chart} was never drawn"
+    return int(match.group(1))
+
+
+@pytest.mark.timeout(300)
+def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
+    with LocalCluster(tmp_path / "run", "configs/debug.toml", OVERRIDES) as cluster:
+        cluster.start_coordinator(start_nodes=2)
+        for name in ("node0", "node1"):
+            cluster.start_node(name)
+
+        def reporting():
+            status = cluster.status()
+            return status["committed_step"] >= 4 and all(n.get("loss") for n in status["nodes"]) and status
+        status = wait_for(reporting, 180, "both nodes to report losses and 4 outer steps to commit")
+        base = f"http://127.0.0.1:{cluster.port}/"
+
+        dom = render(chromium, f"{base}#token={cluster.token}")
+        rows = re.findall(r'<tr data-node="([^"]+)">(.*?)</tr>', dom, re.S)
+        assert sorted(name for name, _ in rows) == ["node0", "node1"], dom[:3000]
+        for _, row in rows:
+            assert "active" in row and "127.0.0.1" in row
+        assert canvas_points(dom, "loss-chart") >= 10
+        assert canvas_points(dom, "allreduce-chart") >= 4
+        assert canvas_points(dom, "membership-chart") >= 8  # 2 members × ≥ 4 outer steps
+        assert status["run_id"] in dom
+
+        # Live: a later render sees more of the run without anything being reloaded by hand.
+        wait_for(lambda: cluster.status()["committed_step"] >= status["committed_step"] + 3, 120, "3 more outer steps")
+        later = render(chromium, f"{base}#token={cluster.token}")
+        assert canvas_points(later, "allreduce-chart") > canvas_points(dom, "allreduce-chart")
+
+        shot = tmp_path / "dashboard.png"
+        render(chromium, f"{base}#token={cluster.token}", screenshot=shot)
+        assert shot.stat().st_size > 20_000
+        print(f"dashboard screenshot: {shot}")
+
+        # Without a token the page loads but shows why it has no data, and the data stays private.
+        denied = render(chromium, base)
+        assert "needs a join token" in denied and 'data-node="' not in denied
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}v1/history", timeout=10)
+        assert refused.value.code == 401
+        cluster.stop()
+
+    # The report over what the run wrote (nodes' metrics.jsonl + the coordinator's SQLite, read-only).
+    report = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "run")], capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    out = tmp_path / "run" / "report"
+    for png in ("loss.png", "timeline.png", "membership.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+    summary = (out / "summary.md").read_text()
+    assert "| node0 |" in summary and "| node1 |" in summary and "attempts aborted" in summary
+    committed = int(re.search(r"Coordinator: (\d+) outer steps committed", summary).group(1))
+    assert committed >= status["committed_step"] + 3
+    assert re.search(r"identical across nodes at (\d+) of \1 outer steps", summary), summary
+
+    # Any outer step with a checkpoint exports by number, and the export generates text.
+    export = subprocess.run([sys.executable, "-m", "prime.export", str(tmp_path / "run"), "--outer-step", "4", "--out",
+                             str(tmp_path / "hf"), "--prompt", "def "], capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    assert "step_00000020" in export.stdout and "sample: 'def " in export.stdout
+    missing = subprocess.run([sys.executable, "-m", "prime.export", str(tmp_path / "run"), "--outer-step", "3",
+                              "--out", str(tmp_path / "hf3")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "outer steps with one: " in missing.stderr
+
+
+def test_report_of_a_single_node_run_and_of_a_wrong_directory(tmp_path):
+    from tests.conftest import run_train
+
+    run_train(["--config", "configs/debug.toml", "--run-dir", str(tmp_path / "single"), "--train.max_steps", "10",
+               "--checkpoint.every", "0"])
+    with open(tmp_path / "single" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "loss": 2.0, "tok')  # a line cut short by a crash
+    done = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "single")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "is not JSON" in done.stderr
+    assert "| single | 10 |" in (tmp_path / "single" / "report" / "summary.md").read_text()
+    (tmp_path / "empty").mkdir()
+    wrong = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "empty")], capture_output=True,
+                           text=True, timeout=120)
+    assert wrong.returncode == 2 and "no metrics.jsonl" in wrong.stderr
+
+
+def test_dashboard_files_are_only_the_packaged_ones(tmp_path):
+    from elastic_mesh.coordinator.run import start_coordinator
+
+    server = start_coordinator(tmp_path / "coord")
+    try:
+        for path, kind in [("/", "text/html"), ("/dashboard.js", "javascript"), ("/charts.js", "javascript"),
+                           ("/dashboard.css", "text/css")]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as response:
+                assert kind in response.headers["Content-Type"] and response.read()
+        for path in ("/../coordinator.sqlite", "/secret", "/%2e%2e/secret", "/dashboard/index.html"):
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10)
+            assert missing.value.code == 404
+    finally:
+        server.stop()
