@@ -22,7 +22,7 @@ from elastic_mesh.codecs import codec_for
 from elastic_mesh.collectives import CollectiveError, all_reduce_mean
 from elastic_mesh.client import CoordinatorError
 from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan, node_hash
-from prime.chaos import ChaosConfig, kill_node
+from prime.chaos import ChaosConfig, kill_node, take_command
 from prime.diloco_config import DilocoConfig
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class DilocoHook:
         # A node that joins after step 0 holds stale weights: it takes the state from a peer first.
         self.needs_state = self.outer_step > 0
         self.contributing = not self.needs_state
+        self.tokens_contributed = 0  # tokens of this node's rounds that entered a committed average
+        self._tokens_at_sync = 0
 
     def on_start(self, trainer) -> None:
         if self.needs_state:
@@ -113,7 +115,7 @@ class DilocoHook:
         shards = local_shards(self.model)
         step = self.outer_step + 1
         pseudo = self.outer.pseudo_gradient(shards) if self.contributing else torch.zeros(sum(self.outer.sizes))
-        if self.chaos.nan_at_outer_step == step:
+        if self.chaos.nan_at_outer_step == step or (self.contributing and take_command(self.chaos, "nan")):
             pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
         while True:
             if self.mesh.dropped:
@@ -159,6 +161,9 @@ class DilocoHook:
             log.warning("%s: outer step %d refused %s's pseudo-gradient: %s", self.mesh.name, step,
                         plan.members[rank]["name"], why)
         self.outer.step(result.mean, shards)
+        if plan.rank in result.contributors:
+            self.tokens_contributed += trainer.tokens_seen - self._tokens_at_sync
+        self._tokens_at_sync = trainer.tokens_seen
         joined_now = self.needs_state
         self.outer_step, self.needs_state, self.contributing = step, False, True
         if joined_now or trainer.step != step * self.config.inner_steps:
@@ -173,6 +178,7 @@ class DilocoHook:
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
                   "outer_s": round(elapsed, 4), "bytes_sent": result.bytes_sent,
                   "bytes_received": result.bytes_received, "model_hash": model_hash, "step": trainer.step,
+                  "tokens_contributed": self.tokens_contributed,
                   "refused": [plan.members[r]["name"] for r in result.refused]}
         trainer.progress.note(f"outer step {step}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
                               f"nodes averaged, all-reduce {result.seconds:.2f} s, {result.bytes_sent / 1e6:.2f} MB "
@@ -193,6 +199,7 @@ class DilocoHook:
 
     def _fault(self, step: int):
         def on_phase(phase: str) -> None:
-            if self.chaos.kill_in_allreduce_at == step and phase == "scatter":
+            if phase == "scatter" and (self.chaos.kill_in_allreduce_at == step
+                                       or take_command(self.chaos, "kill-in-allreduce")):
                 kill_node(f"between the phases of outer step {step}'s all-reduce")
         return on_phase

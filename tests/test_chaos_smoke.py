@@ -1,56 +1,18 @@
 """Chaos smoke: a running cluster takes hostile input on every port it listens on, plus a forged
-token, and still trains to the end with identical models. (The full soak is launch/bench/chaos_soak.py.)"""
+token, and still trains to the end with identical models; then one fault of every kind the injector
+has (launch/chaos.py). The full soak is launch/bench/chaos_soak.py (≥ 100 faults)."""
 
 from __future__ import annotations
 
 import json
-import os
-import random
-import socket
 import time
 import urllib.error
 import urllib.request
 
 from elastic_mesh.process_tree import descendants
 from elastic_mesh.token import create_token
+from launch.chaos import hostile, listening_ports
 from launch.cluster import LocalCluster
-
-
-def listening_ports(pids: set[int]) -> set[int]:
-    """TCP ports in LISTEN state owned by any of pids (from /proc, no external tools)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def hostile(port: int, rng: random.Random) -> None:
-    payloads = [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 4096))),
-                b"GET / HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
-                b"\x00" * 65536, b"POST /v1/store/set HTTP/1.1\r\nContent-Length: 5\r\n\r\n{bad}"]
-    for payload in payloads:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-                s.sendall(payload)
-                s.settimeout(0.5)
-                try:
-                    s.recv(100)
-                except (socket.timeout, OSError):
-                    pass
-        except OSError:
-            pass
 
 
 def test_hostile_input_on_every_listening_port(tmp_path, corpus):
@@ -71,9 +33,8 @@ def test_hostile_input_on_every_listening_port(tmp_path, corpus):
             pids |= {proc.pid, *descendants(proc.pid)}
         ports = listening_ports(pids)
         assert c.port in ports and len(ports) >= 3, ports  # coordinator, torchrun stores, Gloo pairs
-        rng = random.Random(0)
         for port in sorted(ports):
-            hostile(port, rng)
+            hostile("127.0.0.1", port, seed=port)
         forged = create_token(b"x" * 32, f"127.0.0.1:{c.port}", "run-x", 60)
         request = urllib.request.Request(f"http://127.0.0.1:{c.port}/v1/join",
                                          data=json.dumps({"token": forged}).encode())
@@ -87,3 +48,18 @@ def test_hostile_input_on_every_listening_port(tmp_path, corpus):
         h0, h1 = c.outer_records("node0"), c.outer_records("node1")
         assert max(h0) == 12 and all(h0[k]["model_hash"] == h1[k]["model_hash"] for k in h0)
         print(f"survived hostile input on {len(ports)} listening ports: {sorted(ports)}")
+
+
+def test_every_kind_of_fault_once_on_a_running_cluster(tmp_path):
+    """The chaos soak's own loop, one fault of each kind in turn (the soak runs ≥ 100 at random)."""
+    import argparse
+
+    from launch.bench.chaos_soak import KINDS, soak
+
+    args = argparse.Namespace(faults=len(KINDS), nodes=3, wan=None, hang_s=90.0, seed=1, run_dir=str(tmp_path / "run"),
+                              every_kind_in_turn=True)
+    result = soak(args)
+    print(json.dumps(result, indent=1))
+    assert set(result["by_kind"]) == set(KINDS)
+    assert result["survived"] == result["faults"] == len(KINDS), result
+    assert result["hangs"] == 0 and result["crashed"] == 0 and result["diverged_steps"] == 0, result
