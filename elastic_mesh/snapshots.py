@@ -1,0 +1,303 @@
+"""Live snapshots served peer to peer.
+
+A node publishes the state of each committed outer step as fixed-size chunks described by a
+manifest (tensor names, dtypes, shapes, and a sha256 per chunk). A joiner fetches the chunks from
+several peers at once, checks every chunk against the manifest, takes a bad or missing chunk from
+another peer, and keeps verified chunks on disk so a restarted download resumes instead of starting
+over. Nothing is unpickled: tensors travel as raw bytes; the manifest is JSON. Requests need the
+run's snapshot key, which the coordinator gives only to admitted nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+# "snapshot": the whole state of a committed outer step; "update": the averaged pseudo-gradient that made
+# the step, which a node one step behind replays instead of fetching the whole state.
+KINDS = ("snapshot", "update")
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be served or fetched; the message says which chunk or source and why."""
+
+
+@dataclass
+class Snapshot:
+    step: int
+    manifest: dict
+    blob: bytes
+
+    def chunk(self, index: int) -> bytes:
+        size = self.manifest["chunk_bytes"]
+        return self.blob[index * size:(index + 1) * size]
+
+
+def build_snapshot(step: int, tensors: dict[str, torch.Tensor], meta: dict | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> Snapshot:
+    """Lays the tensors out back to back (CPU, contiguous) and hashes every chunk."""
+    entries, parts, offset = [], [], 0
+    for name, tensor in tensors.items():
+        if str(tensor.dtype) not in _DTYPES:
+            raise TypeError(f"snapshot tensor {name} has dtype {tensor.dtype}; supported: {sorted(_DTYPES)}")
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset,
+                        "nbytes": len(data)})
+        parts.append(data)
+        offset += len(data)
+    blob = b"".join(parts)
+    chunks = [{"size": len(blob[i:i + chunk_bytes]), "sha256": hashlib.sha256(blob[i:i + chunk_bytes]).hexdigest()}
+              for i in range(0, len(blob), chunk_bytes)]
+    manifest = {"step": step, "chunk_bytes": chunk_bytes, "total_bytes": len(blob), "tensors": entries,
+                "chunks": chunks, "meta": meta or {}}
+    return Snapshot(step, manifest, blob)
+
+
+def snapshot_tensors(manifest: dict, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+    out = {}
+    for entry in manifest["tensors"]:
+        raw = bytearray(blob[entry["offset"]:entry["offset"] + entry["nbytes"]])
+        dtype = _DTYPES[entry["dtype"]]
+        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[entry["name"]] = tensor.reshape(entry["shape"])
+    return out
+
+
+# ---- serving -----------------------------------------------------------------------------------------
+class _Handler(BaseHTTPRequestHandler):
+    server: "SnapshotServer"
+    timeout = 30
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str) -> None:
+        self._send(status, json.dumps({"error": message}).encode())
+
+    def do_GET(self):
+        if not hmac.compare_digest(self.headers.get("X-Prime-Snapshot-Key", ""), self.server.key):
+            return self._error(401, "a snapshot key is needed (given to nodes the coordinator admitted)")
+        parts = self.path.strip("/").split("/")  # v1/<kind>/<latest|step>[/chunk/<i>]
+        if len(parts) < 3 or parts[0] != "v1" or parts[1] not in KINDS:
+            return self._error(404, f"no such endpoint {self.path[:100]}")
+        snapshot = self.server.get(parts[1], parts[2])
+        if snapshot is None:
+            return self._error(404, f"no {parts[1]} {parts[2][:20]} here (held: {self.server.steps(parts[1])})")
+        if len(parts) == 3:
+            return self._send(200, json.dumps(snapshot.manifest).encode())
+        if len(parts) == 5 and parts[3] == "chunk" and parts[4].isdigit() and \
+                int(parts[4]) < len(snapshot.manifest["chunks"]):
+            if self.server.serve_delay_s:
+                time.sleep(self.server.serve_delay_s)
+            return self._send(200, snapshot.chunk(int(parts[4])), "application/octet-stream")
+        return self._error(404, f"no such chunk {self.path[:100]}")
+
+
+class SnapshotServer(ThreadingHTTPServer):
+    """Serves this process's newest `keep` snapshots and updates. serve_delay_s slows every chunk (an
+    emulated slow uplink for tests and benchmarks; 0 in production)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int, key: str, keep: int = 2, serve_delay_s: float = 0.0) -> None:
+        super().__init__((host, port), _Handler)
+        self.key, self.keep, self.serve_delay_s = key, keep, serve_delay_s
+        self._held: dict[str, dict[int, Snapshot]] = {kind: {} for kind in KINDS}
+        self._lock = threading.Lock()
+        threading.Thread(target=self.serve_forever, daemon=True, name="snapshot-server").start()
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def publish(self, snapshot: Snapshot, kind: str = "snapshot") -> None:
+        with self._lock:
+            held = self._held[kind]
+            held[snapshot.step] = snapshot
+            for old in sorted(held)[:-self.keep]:
+                del held[old]
+
+    def get(self, kind: str, which: str) -> Snapshot | None:
+        with self._lock:
+            held = self._held[kind]
+            if which == "latest":
+                return held[max(held)] if held else None
+            return held.get(int(which)) if which.isdigit() else None
+
+    def steps(self, kind: str = "snapshot") -> list[int]:
+        with self._lock:
+            return sorted(self._held[kind])
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+# ---- fetching ----------------------------------------------------------------------------------------
+@dataclass
+class FetchReport:
+    step: int
+    total_bytes: int
+    chunks: int
+    resumed_chunks: int = 0          # already on disk from an earlier, interrupted download
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    corrupt: list[str] = field(default_factory=list)   # "chunk 3 from host:port"
+    failed: list[str] = field(default_factory=list)    # "chunk 5 from host:port: connection refused"
+    seconds: float = 0.0
+
+
+class SnapshotFetcher:
+    """Fetches one snapshot from several sources at once into work_dir (verified chunk files)."""
+
+    def __init__(self, sources: list[str], key: str, work_dir: Path, timeout_s: float = 30.0,
+                 streams_per_source: int = 2, max_failures_per_source: int = 3) -> None:
+        if not sources:
+            raise SnapshotError("no sources to fetch a snapshot from")
+        self.sources, self.key, self.work_dir = list(sources), key, Path(work_dir)
+        self.timeout_s, self.streams = timeout_s, streams_per_source
+        self.max_failures = max_failures_per_source
+
+    def _get(self, source: str, path: str) -> bytes:
+        host, port = source.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
+        try:
+            conn.request("GET", path, headers={"X-Prime-Snapshot-Key": self.key})
+            response = conn.getresponse()
+            body = response.read()
+            if response.status != 200:
+                raise SnapshotError(f"{source}{path}: HTTP {response.status} {body[:200].decode(errors='replace')}")
+            return body
+        finally:
+            conn.close()
+
+    def manifests(self, step: int | None, kind: str) -> dict[str, dict]:
+        """The manifest each reachable source holds for `step` (or its latest)."""
+        found = {}
+        for source in self.sources:
+            try:
+                found[source] = json.loads(self._get(source, f"/v1/{kind}/{step if step is not None else 'latest'}"))
+            except (OSError, SnapshotError, ValueError) as e:
+                log.warning("snapshot source %s: %s", source, str(e)[:200])
+        return found
+
+    def fetch(self, step: int | None = None, kind: str = "snapshot") -> tuple[dict, dict[str, torch.Tensor], FetchReport]:
+        """The `kind` of `step` (default: the newest any source holds), checked chunk by chunk."""
+        started = time.monotonic()
+        manifests = self.manifests(step, kind)
+        if not manifests:
+            raise SnapshotError(f"none of the sources {self.sources} could serve {kind} "
+                                f"{step if step is not None else '(latest)'}")
+        if step is None:
+            step = max(m["step"] for m in manifests.values())
+            manifests = {s: m for s, m in manifests.items() if m["step"] == step}
+        # The sources must describe the same bytes; a minority that disagrees is not used.
+        by_content: dict[str, list[str]] = {}
+        for source, manifest in manifests.items():
+            by_content.setdefault(json.dumps(manifest, sort_keys=True), []).append(source)
+        content, sources = max(by_content.items(), key=lambda kv: len(kv[1]))
+        for other, who in by_content.items():
+            if other != content:
+                log.warning("snapshot %d: %s disagree with the majority's manifest; not used", step, ", ".join(who))
+        manifest = json.loads(content)
+        report = FetchReport(step, manifest["total_bytes"], len(manifest["chunks"]))
+        directory = self.work_dir / f"{kind}_{step:08d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "manifest.json").write_text(content)
+        pending = queue.Queue()
+        for index, chunk in enumerate(manifest["chunks"]):
+            path = directory / f"chunk_{index:06d}"
+            if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == chunk["sha256"]:
+                report.resumed_chunks += 1
+            else:
+                pending.put((index, frozenset()))
+        self._download(manifest, kind, directory, pending, sources, report)
+        blob = bytearray()
+        for index in range(len(manifest["chunks"])):
+            blob += (directory / f"chunk_{index:06d}").read_bytes()
+        report.seconds = time.monotonic() - started
+        return manifest, snapshot_tensors(manifest, blob), report
+
+    def _download(self, manifest: dict, kind: str, directory: Path, pending: queue.Queue, sources: list[str],
+                  report: FetchReport) -> None:
+        lock = threading.Lock()
+        failures = {s: 0 for s in sources}
+        errors: list[str] = []
+        remaining = [pending.qsize()]
+        turn = [0]
+
+        def usable(excluded: frozenset) -> list[str]:
+            return [s for s in sources if failures[s] < self.max_failures and s not in excluded]
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if remaining[0] == 0 or errors:
+                        return
+                try:
+                    index, excluded = pending.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                with lock:
+                    choices = usable(excluded)
+                    if not choices:
+                        errors.append(f"chunk {index}: every source failed or sent bad bytes "
+                                      f"({'; '.join(report.failed + report.corrupt)[-500:]})")
+                        return
+                    source = choices[turn[0] % len(choices)]  # spread the chunks over the sources
+                    turn[0] += 1
+                expected = manifest["chunks"][index]
+                try:
+                    data = self._get(source, f"/v1/{kind}/{manifest['step']}/chunk/{index}")
+                except (OSError, SnapshotError) as e:
+                    with lock:
+                        failures[source] += 1
+                        report.failed.append(f"chunk {index} from {source}: {str(e)[:120]}")
+                    pending.put((index, excluded | {source}))
+                    continue
+                if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+                    with lock:
+                        failures[source] += 1
+                        report.corrupt.append(f"chunk {index} from {source}")
+                    log.warning("snapshot chunk %d from %s does not match its hash; fetching it elsewhere", index, source)
+                    pending.put((index, excluded | {source}))
+                    continue
+                staging = directory / f".chunk_{index:06d}.tmp"
+                staging.write_bytes(data)
+                staging.replace(directory / f"chunk_{index:06d}")  # a chunk file on disk is always whole
+                with lock:
+                    report.bytes_from[source] = report.bytes_from.get(source, 0) + len(data)
+                    remaining[0] -= 1
+
+        threads = [threading.Thread(target=worker, daemon=True)
+                   for _ in range(max(1, min(self.streams * len(sources), math.ceil(max(1, remaining[0])))))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise SnapshotError(f"{kind} {manifest['step']}: {errors[0]}")

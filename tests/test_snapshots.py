@@ -1,0 +1,156 @@
+"""Snapshots over real HTTP: several sources at once, corrupt chunks, a source SIGKILLed mid-transfer,
+a joiner restarted mid-download, wrong keys, disagreeing sources."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from elastic_mesh.snapshots import Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer, build_snapshot
+
+KEY = "k" * 32
+CHUNK = 64 << 10
+
+
+def state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"outer": torch.randn(300_000, generator=g), "momentum": torch.randn(200_001, generator=g),
+            "counters": torch.tensor([7, 12], dtype=torch.int64), "empty": torch.zeros(0)}
+
+
+def serve(n: int, seed: int = 0, delay: float = 0.0) -> list[SnapshotServer]:
+    snapshot = build_snapshot(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK)
+    servers = [SnapshotServer("127.0.0.1", 0, KEY, serve_delay_s=delay) for _ in range(n)]
+    for s in servers:
+        s.publish(snapshot)
+    return servers
+
+
+def addresses(servers) -> list[str]:
+    return [f"127.0.0.1:{s.port}" for s in servers]
+
+
+def assert_state(tensors) -> None:
+    for name, expected in state().items():
+        assert torch.equal(tensors[name], expected), name
+
+
+def test_fetches_from_three_sources_at_once(tmp_path):
+    servers = serve(3)
+    try:
+        manifest, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+    finally:
+        for s in servers:
+            s.stop()
+    assert manifest["step"] == 5 and manifest["meta"] == {"outer_step": 5}
+    assert_state(tensors)
+    assert len(report.bytes_from) == 3 and sum(report.bytes_from.values()) == report.total_bytes
+    assert min(report.bytes_from.values()) > report.total_bytes / 6  # spread, not one source doing it all
+
+
+def test_a_corrupt_chunk_is_fetched_from_another_source(tmp_path):
+    servers = serve(2)
+    bad = servers[0]
+    snapshot = bad.get("snapshot", "latest")
+    tampered = bytearray(snapshot.blob)
+    tampered[CHUNK * 2 + 100] ^= 0xFF  # one byte of chunk 2, on this source only
+    bad.publish(Snapshot(snapshot.step, snapshot.manifest, bytes(tampered)))
+    try:
+        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+    finally:
+        for s in servers:
+            s.stop()
+    assert_state(tensors)
+    assert report.corrupt == [f"chunk 2 from {addresses(servers)[0]}"]
+
+
+SOURCE = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from tests.test_snapshots import serve
+server = serve(1, delay=float(sys.argv[1]))[0]
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def source_process(delay: float) -> tuple[subprocess.Popen, str]:
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-c", SOURCE, str(delay), str(REPO)], stdout=subprocess.PIPE, text=True)
+    return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def test_a_source_killed_mid_transfer_is_replaced_by_the_others(tmp_path):
+    dying, address = source_process(delay=0.05)
+    healthy = serve(1, delay=0.05)
+    try:
+        fetcher = SnapshotFetcher([address, *addresses(healthy)], KEY, tmp_path, timeout_s=5)
+        killer = __import__("threading").Timer(0.3, dying.send_signal, (signal.SIGKILL,))
+        killer.start()
+        _, tensors, report = fetcher.fetch()
+    finally:
+        dying.kill()
+        for s in healthy:
+            s.stop()
+    assert_state(tensors)
+    assert 0 < report.bytes_from.get(address, 0) < report.total_bytes  # it served some, then died
+    assert report.failed and all(address in f for f in report.failed)
+
+
+FETCH = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from elastic_mesh.snapshots import SnapshotFetcher
+SnapshotFetcher(sys.argv[1].split(","), "%s", sys.argv[2], streams_per_source=1).fetch()
+""" % KEY
+
+
+def test_a_joiner_restarted_mid_download_resumes(tmp_path):
+    from tests.conftest import REPO
+
+    servers = serve(2, delay=0.05)
+    try:
+        joiner = subprocess.Popen([sys.executable, "-c", FETCH, ",".join(addresses(servers)), str(tmp_path), str(REPO)])
+        directory = tmp_path / "snapshot_00000005"
+        deadline = time.monotonic() + 60
+        while len(list(directory.glob("chunk_*"))) < 8:
+            assert time.monotonic() < deadline and joiner.poll() is None
+            time.sleep(0.02)
+        joiner.kill()  # mid-download
+        joiner.wait()
+        on_disk = len(list(directory.glob("chunk_*")))
+        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+    finally:
+        for s in servers:
+            s.stop()
+    assert_state(tensors)
+    assert report.resumed_chunks == on_disk and 8 <= on_disk < report.chunks
+    assert sum(report.bytes_from.values()) < report.total_bytes  # did not start over
+
+
+def test_wrong_key_and_no_sources_are_clear_errors(tmp_path):
+    servers = serve(1)
+    try:
+        with pytest.raises(SnapshotError, match="none of the sources"):
+            SnapshotFetcher(addresses(servers), "wrong", tmp_path).fetch()
+    finally:
+        servers[0].stop()
+    with pytest.raises(SnapshotError, match="none of the sources"):
+        SnapshotFetcher(["127.0.0.1:1"], KEY, tmp_path, timeout_s=2).fetch()
+
+
+def test_a_source_with_different_content_is_outvoted(tmp_path):
+    honest, liar = serve(2), serve(1, seed=99)
+    try:
+        _, tensors, report = SnapshotFetcher(addresses(honest + liar), KEY, tmp_path).fetch()
+    finally:
+        for s in honest + liar:
+            s.stop()
+    assert_state(tensors)
+    assert addresses(liar)[0] not in report.bytes_from
