@@ -13,12 +13,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
+from elastic_mesh.snapshots import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
 from elastic_mesh.store import CoordinatorStore
 from elastic_mesh.token import read_token
 
@@ -38,6 +40,11 @@ class MeshConfig(BaseModel):
     barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at an outer-step barrier.")
     interface: str | None = Field(None, description="Network interface the global groups use (e.g. eth0); "
                                   "None: the address the host name resolves to.")
+    snapshot_port: int = Field(0, ge=0, le=65535, description="First port of the snapshot servers (local rank r "
+                               "listens on snapshot_port + r); 0: any free port.")
+    snapshot_keep: int = Field(8, ge=1, description="Committed outer steps whose averaged update each node keeps "
+                               "for peers that are behind (they replay instead of fetching the whole state).")
+    fetch_timeout_s: float = Field(60.0, gt=0, description="Timeout of one snapshot chunk request to a peer.")
 
 
 @dataclass
@@ -49,16 +56,11 @@ class StepPlan:
     rank: int = 0
     world_size: int = 0
     members: list[dict] = field(default_factory=list)
-    state_source: int | None = None
     committed_step: int = 0
 
     @property
     def contributes(self) -> list[bool]:
         return [bool(m["contributes"]) for m in self.members]
-
-    @property
-    def syncing(self) -> list[int]:
-        return [r for r, m in enumerate(self.members) if m["needs_state"]]
 
 
 def node_hash(local_digest: bytes) -> str:
@@ -84,6 +86,10 @@ class ElasticDeviceMesh:
         self.heartbeat: Heartbeat | None = None
         self.telemetry = TelemetryBuffer()
         self._groups: dict[int, dist.ProcessGroup] = {}
+        # Every local rank serves its own shard's snapshots; the key arrives with the join answer.
+        port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
+        self.snapshots = SnapshotServer("0.0.0.0", port, key="", keep=config.snapshot_keep)
+        self.node_facts = {**node_facts, "snapshot_ports": self._gather_ports()}
         self.joined = self._join()
 
     # ---- talking to the coordinator (local rank 0), shared with the node ------------------------------
@@ -98,11 +104,21 @@ class ElasticDeviceMesh:
         if "error" in answer:
             raise CoordinatorError(f"the coordinator refused this node: {answer['error']}")
         self.client.credentials = Credentials(self.client.address, answer["node_id"], answer["session"], answer["name"])
+        self.snapshots.key = answer["snapshot_key"]
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
             self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], self.telemetry).start()
         return answer
+
+    def _gather_ports(self) -> list[int]:
+        mine = torch.tensor([self.snapshots.port], dtype=torch.int64)
+        ports = [torch.zeros(1, dtype=torch.int64) for _ in range(self.local_world)]
+        if self.local_world > 1:
+            dist.all_gather(ports, mine)
+        else:
+            ports = [mine]
+        return [int(p) for p in ports]
 
     def share(self, value: dict | None) -> dict:
         """Local rank 0's value on every local rank (JSON over the local group)."""
@@ -137,9 +153,9 @@ class ElasticDeviceMesh:
     def name(self) -> str:
         return self.joined["name"]
 
-    def plan(self, outer_step: int, contributes: bool, needs_state: bool) -> StepPlan:
+    def plan(self, outer_step: int, contributes: bool = True) -> StepPlan:
         """Declares this node ready for `outer_step`; returns who takes part once the coordinator decides."""
-        body = {"outer_step": outer_step, "contributes": contributes, "needs_state": needs_state}
+        body = {"outer_step": outer_step, "contributes": contributes}
         answer = self._leader_call(lambda: self.client.long_poll(
             "/v1/ready", body, lambda a: a.get("status") != "wait", self.config.barrier_timeout_s))
         return StepPlan(**{k: answer[k] for k in StepPlan.__dataclass_fields__ if k in answer})
@@ -157,11 +173,32 @@ class ElasticDeviceMesh:
         return self._leader_call(lambda: self.client.post("/v1/commit", {"outer_step": outer_step,
                                                                          "model_hash": model_hash}))
 
-    def rejoin(self, node_facts: dict) -> dict:
+    def rejoin(self) -> dict:
         """After the coordinator dropped this node (declared dead, e.g. after a partition)."""
-        self.node_facts = node_facts
         self.joined = self._join()
         return self.joined
+
+    # ---- catching up: state from peers' snapshot servers ---------------------------------------------
+    def sources(self) -> dict:
+        """The last committed step, its recent hashes, and the peers that hold it (same for all local ranks)."""
+        answer = self._leader_call(lambda: self.client.post("/v1/sources", {}))
+        answer["hashes"] = {int(k): v for k, v in answer["hashes"].items()}
+        return answer
+
+    def wait_commit(self, after: int) -> int:
+        """Blocks until an outer step after `after` commits; returns the last committed step."""
+        answer = self._leader_call(lambda: self.client.long_poll(
+            "/v1/wait_commit", {"after": after}, lambda a: "committed_step" in a, self.config.barrier_timeout_s))
+        return int(answer["committed_step"])
+
+    def fetch(self, sources: dict, kind: str, step: int | None, work_dir: Path) -> tuple[dict, dict, FetchReport]:
+        """This local rank's shard of `kind` at `step` from every source's server for the same local rank."""
+        addresses = [s["snapshot"][self.local_rank] for s in sources["sources"] if len(s["snapshot"]) > self.local_rank]
+        if not addresses:
+            raise SnapshotError(f"no live node holds outer step {sources['committed_step']} to fetch from; if all "
+                                "the nodes that had it are gone, restart the run from a checkpoint (--resume)")
+        fetcher = SnapshotFetcher(addresses, self.snapshots.key, work_dir, timeout_s=self.config.fetch_timeout_s)
+        return fetcher.fetch(step, kind)
 
     @property
     def dropped(self) -> bool:
@@ -206,3 +243,4 @@ class ElasticDeviceMesh:
                 except CoordinatorError:
                     pass  # the coordinator will notice the missing heartbeats instead
         self._groups.clear()
+        self.snapshots.stop()

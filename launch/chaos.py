@@ -83,8 +83,8 @@ class FaultInjector:
         self.control_dir(name).mkdir(parents=True, exist_ok=True)
         return self.cluster.start_node(name, ["--chaos.control_dir", str(self.control_dir(name)), *(extra or [])])
 
-    def _record(self, kind: str, target: str, detail: str = "") -> Fault:
-        fault = Fault(kind, target, time.monotonic(), detail)
+    def _record(self, kind: str, target: str, detail: str = "", at: float | None = None) -> Fault:
+        fault = Fault(kind, target, time.monotonic() if at is None else at, detail)
         self.faults.append(fault)
         return fault
 
@@ -168,7 +168,7 @@ class FaultInjector:
     # ---- the coordinator -----------------------------------------------------------------------------
     def restart_coordinator(self, down_s: float = 2.0) -> Fault:
         self.cluster.kill_coordinator()
-        fault = self._record("coordinator-restart", "coordinator", f"down {down_s:g} s")
+        fault = self._record("coordinator-restart", "coordinator", f"down {down_s:g} s")  # from the kill
         time.sleep(down_s)
         self.cluster.start_coordinator()
         return fault
@@ -181,6 +181,7 @@ class FaultInjector:
 
     def hostile_input(self) -> Fault:
         """Hostile bytes on every TCP port any process of the cluster listens on."""
+        started = time.monotonic()
         pids = {self.cluster.coordinator.pid}
         for proc in self.cluster.nodes.values():
             if proc.poll() is None:
@@ -188,8 +189,11 @@ class FaultInjector:
         ports = sorted(listening_ports(pids))
         seed = self.rng.randrange(1 << 30)
         if self.wan is None:
-            for port in ports:
-                hostile("127.0.0.1", port, seed)
+            threads = [threading.Thread(target=hostile, args=("127.0.0.1", port, seed)) for port in ports]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         else:  # from inside the coordinator's namespace, to each host's address
             targets = [(self.wan.address(h), p) for h in self.wan.hosts for p in ports]
             code = ("import sys, json; from launch.chaos import hostile; "
@@ -197,9 +201,10 @@ class FaultInjector:
             subprocess.run([*self.wan.exec_prefix("coordinator"), sys.executable, "-c", code, json.dumps(targets),
                             str(seed)], cwd=self.cluster.run_dir.parent, timeout=600,
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-        return self._record("hostile-input", "all ports", f"{len(ports)} ports")
+        return self._record("hostile-input", "all ports", f"{len(ports)} ports", at=started)
 
     def forged_token(self) -> Fault:
+        started = time.monotonic()
         host = self.wan.address("coordinator") if self.wan else "127.0.0.1"
         forged = create_token(os.urandom(32), f"{host}:{self.cluster.port}", "run-forged", 60)
         code = ("import sys, urllib.request, urllib.error, json\n"
@@ -211,4 +216,4 @@ class FaultInjector:
                                  forged], capture_output=True, text=True, timeout=60).stdout.strip()
         if answer != "403":
             raise AssertionError(f"a forged token was answered {answer}, not 403")
-        return self._record("forged-token", "coordinator")
+        return self._record("forged-token", "coordinator", at=started)

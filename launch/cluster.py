@@ -86,11 +86,15 @@ class LocalCluster:
         kill_tree(self.coordinator.pid)
         self.coordinator.wait()
 
-    def start_node(self, name: str, extra: list[str] | None = None, token: str | None = None) -> subprocess.Popen:
+    def start_node(self, name: str, extra: list[str] | None = None, token: str | None = None,
+                   cpus: str | None = None) -> subprocess.Popen:
+        """cpus: pin the node to these cores (taskset list, e.g. "0" or "1-3"), so benchmarks can keep
+        one emulated machine's work off another's cores."""
         node_dir = self.run_dir / name
         node_dir.mkdir(parents=True, exist_ok=True)
         wan_args = ["--mesh.interface", self.wan.interface()] if self.wan else []
-        cmd = [*self._prefix(name), str(Path(sys.executable).parent / "torchrun"), "--standalone",
+        pin = ["taskset", "-c", cpus] if cpus else []
+        cmd = [*self._prefix(name), *pin, str(Path(sys.executable).parent / "torchrun"), "--standalone",
                f"--nproc-per-node={self.nproc}", "-m", "prime.train", "--config", self.config,
                "--join", token or self.token, "--name", name, "--run-dir", str(node_dir), *wan_args,
                *self.overrides, *(extra or [])]

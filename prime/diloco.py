@@ -7,21 +7,28 @@ shards (the outer params); its global group pairs it with the same shard on ever
 The round is all-or-nothing: the pseudo-gradients stay intact until the coordinator says every
 member's all-reduce succeeded ("apply"); on "abort" the same pseudo-gradients go into a retry with the
 survivors. A node never applies its own pseudo-gradient alone.
+
+A node that is behind (it joined a running job, missed a step's deadline, was partitioned away, or
+diverged) catches up from its peers' snapshot servers while the others go on: it replays the averaged
+updates of the steps it missed, or fetches a whole snapshot when it holds nothing usable, checks the
+result against the hashes the coordinator committed, and enters the next round with everyone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from elastic_mesh.codecs import codec_for
 from elastic_mesh.collectives import CollectiveError, all_reduce_mean
 from elastic_mesh.client import CoordinatorError
-from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan, node_hash
+from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
+from elastic_mesh.snapshots import SnapshotError, build_snapshot
 from prime.chaos import ChaosConfig, kill_node, take_command
 from prime.diloco_config import DilocoConfig
 
@@ -81,25 +88,41 @@ class OuterOptimizer:
         return h.digest()
 
 
+class StateMismatch(RuntimeError):
+    """The state a node rebuilt from its peers does not hash to what the coordinator committed."""
+
+
 class DilocoHook:
-    """Runs the outer step every H inner steps; joins a running job at an outer-step boundary."""
+    """Runs the outer step every H inner steps; catches up from peers when the node is behind."""
 
     def __init__(self, model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig,
-                 outer: OuterOptimizer, chaos: ChaosConfig | None = None) -> None:
+                 outer: OuterOptimizer, work_dir: Path, chaos: ChaosConfig | None = None) -> None:
         self.model, self.mesh, self.config, self.outer = model, mesh, config, outer
+        self.work_dir = Path(work_dir)  # verified chunks of an interrupted download survive a restart here
         self.chaos = chaos or ChaosConfig()
         self.codec = codec_for(config.compression)
-        self.outer_step = mesh.joined["committed_step"]
-        # A node that joins after step 0 holds stale weights: it takes the state from a peer first.
-        self.needs_state = self.outer_step > 0
-        self.contributing = not self.needs_state
+        self.outer_step = 0  # the last committed outer step whose state this node holds
         self.tokens_contributed = 0  # tokens of this node's rounds that entered a committed average
         self._tokens_at_sync = 0
+        self._publisher: threading.Thread | None = None
+        self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
 
     def on_start(self, trainer) -> None:
-        if self.needs_state:
-            record = self._round(trainer)
-            trainer.metrics.write(record)
+        if self.mesh.joined["committed_step"] > 0:  # a running job: this node's initial weights are stale
+            trainer.metrics.write(self._catch_up(trainer, full=True))
+
+    def on_end(self, trainer) -> None:
+        """Keeps serving for a while after the last step, so a node still catching up can finish too."""
+        if not self.config.serve_snapshots:
+            return
+        self._wait_for_publisher()
+        deadline = time.monotonic() + self.config.linger_s
+        while time.monotonic() < deadline:
+            behind = self.mesh.sources()["behind"]
+            if not behind:
+                return
+            time.sleep(0.5)
+        log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind), self.config.linger_s)
 
     def after_step(self, trainer, step: int) -> dict | None:
         if self.chaos.kill_at_inner_step and step == self.chaos.kill_at_inner_step:
@@ -112,36 +135,34 @@ class DilocoHook:
 
     def _round(self, trainer) -> dict:
         started = time.perf_counter()
+        self._wait_for_publisher()
         shards = local_shards(self.model)
         step = self.outer_step + 1
-        pseudo = self.outer.pseudo_gradient(shards) if self.contributing else torch.zeros(sum(self.outer.sizes))
-        if self.chaos.nan_at_outer_step == step or (self.contributing and take_command(self.chaos, "nan")):
+        pseudo = self.outer.pseudo_gradient(shards)
+        if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
             pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
         while True:
-            if self.mesh.dropped:
-                log.warning("%s was dropped by the coordinator; joining again and taking the state from a peer",
-                            self.mesh.name)
-                self.mesh.rejoin(self.mesh.node_facts)
-                self.needs_state, self.contributing = True, False
-                step = self.mesh.joined["committed_step"] + 1
-                pseudo = torch.zeros(sum(self.outer.sizes))
-            plan = self.mesh.plan(step, self.contributing, self.needs_state)
+            try:
+                if self.mesh.dropped:
+                    raise CoordinatorError("declared dead while it could not reach the coordinator", 410)
+                plan = self.mesh.plan(step)
+            except CoordinatorError as e:
+                if e.status not in (401, 410):
+                    raise
+                log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
+                            self.mesh.name, e)
+                self.mesh.rejoin()
+                return self._catch_up(trainer, full=False)  # its own state may still be good: replay onto it
             if plan.status in ("missed", "resync"):
-                log.warning("%s: outer step %d %s; its work is dropped, the state comes from a peer",
+                log.warning("%s: outer step %d %s; this round's work is dropped and the node catches up from peers",
                             self.mesh.name, step, "went on without this node" if plan.status == "missed" else
                             "showed this node diverged")
-                self.needs_state, self.contributing = True, False
-                step = plan.committed_step + 1
-                pseudo = torch.zeros(sum(self.outer.sizes))
-                continue
+                return self._catch_up(trainer, full=plan.status == "resync")
             result, ok, blame = None, True, []
             try:
                 if not self.mesh.agree(True):
                     raise CollectiveError("another local rank failed before the transfer", "start")
                 pg = self.mesh.group(plan)
-                if plan.syncing:
-                    self._sync_state(pg, plan)
-                    pseudo = torch.zeros_like(pseudo) if plan.rank in plan.syncing else pseudo
                 valid = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
                 result = all_reduce_mean(pg, pseudo, self.codec, plan.contributes, valid=valid,
                                          outlier_factor=self.config.outlier_factor, on_phase=self._fault(step))
@@ -152,7 +173,15 @@ class DilocoHook:
             ok = self.mesh.agree(ok)
             refused = result.refused if result else {}
             seconds = result.seconds if result else 0.0
-            if self.mesh.vote(plan, ok, refused, blame, seconds) == "apply" and ok:
+            try:
+                decision = self.mesh.vote(plan, ok, refused, blame, seconds)
+            except CoordinatorError as e:
+                if e.status not in (401, 410):
+                    raise
+                log.warning("%s was dropped during outer step %d (%s); joining again", self.mesh.name, step, e)
+                self.mesh.rejoin()
+                return self._catch_up(trainer, full=False)
+            if decision == "apply" and ok:
                 break
             self.mesh.drop_group(plan.epoch)
             log.warning("%s: outer step %d will be retried with the pseudo-gradients kept", self.mesh.name, step)
@@ -164,15 +193,15 @@ class DilocoHook:
         if plan.rank in result.contributors:
             self.tokens_contributed += trainer.tokens_seen - self._tokens_at_sync
         self._tokens_at_sync = trainer.tokens_seen
-        joined_now = self.needs_state
-        self.outer_step, self.needs_state, self.contributing = step, False, True
-        if joined_now or trainer.step != step * self.config.inner_steps:
+        self.outer_step = step
+        if trainer.step != step * self.config.inner_steps:
             trainer.jump_to_step(step * self.config.inner_steps)
         model_hash = node_hash(self.outer.digest())
         commit = self.mesh.commit(step, model_hash)
         if commit.get("status") == "diverged":
             log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", self.mesh.name,
                       model_hash, commit.get("majority_hash"), step)
+        self._publish(step, result.mean)
         elapsed = time.perf_counter() - started
         record = {"outer_step": step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
@@ -185,17 +214,113 @@ class DilocoHook:
                               f"sent, round {elapsed:.2f} s, hash {model_hash}")
         return record
 
-    def _sync_state(self, pg, plan: StepPlan) -> None:
-        """The members that lack the committed state receive it (outer params and momentum) from a peer."""
+    # ---- serving peers ---------------------------------------------------------------------------------
+    def _publish(self, step: int, mean: torch.Tensor) -> None:
+        """Snapshot of step k and the update that made it, built in the background (the outer state does
+        not change until the next outer step, which waits for this thread first)."""
+        if not self.config.serve_snapshots:
+            return
         state = self.outer.state_tensor()
-        options = dist.BroadcastOptions()
-        options.rootRank = plan.state_source
-        pg.broadcast([state], options).wait()
-        if plan.rank in plan.syncing:
-            if not torch.isfinite(state).all():
-                raise CollectiveError("the state received from a peer is not finite", "sync", [plan.state_source])
-            self.outer.load_state_tensor(state)
-            self.outer.copy_to(local_shards(self.model))
+
+        def build() -> None:
+            self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
+            self.mesh.snapshots.publish(build_snapshot(step, {"mean": mean}), "update")
+        self._publisher = threading.Thread(target=build, daemon=True, name="snapshot-publisher")
+        self._publisher.start()
+
+    def _wait_for_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.join()
+            self._publisher = None
+
+    # ---- catching up -------------------------------------------------------------------------------------
+    def _catch_up(self, trainer, full: bool) -> dict:
+        """Brings this node to the newest committed step from its peers, with nobody waiting for it: replays
+        the updates it missed (or fetches a whole snapshot when it holds nothing usable), then waits for
+        the next commit, replays that too, and starts the following round with everyone."""
+        started = time.perf_counter()
+        self._wait_for_publisher()
+        fetched, replayed = self._bring_to_newest(full)
+        if self.outer_step * self.config.inner_steps < trainer.config.train.max_steps:
+            self.mesh.wait_commit(self.outer_step)
+            more_fetched, more_replayed = self._bring_to_newest(full=False)
+            fetched, replayed = fetched + more_fetched, replayed + more_replayed
+        self.outer.copy_to(local_shards(self.model))
+        trainer.jump_to_step(self.outer_step * self.config.inner_steps)
+        self._tokens_at_sync = trainer.tokens_seen
+        model_hash = node_hash(self.outer.digest())
+        self.mesh.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
+        elapsed = time.perf_counter() - started
+        download_s, self._download_s = self._download_s, 0.0
+        trainer.progress.note(f"caught up to outer step {self.outer_step} in {elapsed:.1f} s: "
+                              f"{fetched / 1e6:.1f} MB of snapshot, {replayed} update(s) replayed, hash {model_hash}")
+        return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "replayed": replayed,
+                "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
+                "step": trainer.step}
+
+    def _bring_to_newest(self, full: bool) -> tuple[int, int]:
+        """Returns (snapshot bytes fetched, updates replayed)."""
+        fetched = 0
+        for attempt in range(1, 6):
+            sources = self.mesh.sources()
+            try:
+                if full or sources["committed_step"] - self.outer_step > self.mesh.config.snapshot_keep:
+                    fetched += self._load_snapshot(sources)
+                    full = False
+                return fetched, self._replay(sources)
+            except StateMismatch as e:
+                log.warning("%s: %s; fetching a whole snapshot", self.mesh.name, e)
+                full = True
+            except SnapshotError as e:
+                # Usually a race: the newest step is committed but its snapshot is still being published.
+                log.warning("%s: catching up failed (attempt %d of 5): %s", self.mesh.name, attempt, str(e)[:300])
+                time.sleep(min(1.0 * attempt, 5.0))
+        raise SnapshotError(f"{self.mesh.name} could not catch up with the run from its peers after 5 attempts")
+
+    def _agreed(self, fetch) -> tuple[dict, dict, object]:
+        """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""
+        result, error = None, None
+        try:
+            result = fetch()
+        except SnapshotError as e:
+            error = e
+        if not self.mesh.agree(error is None):
+            raise error or SnapshotError("another local rank could not fetch its shard")
+        return result
+
+    def _load_snapshot(self, sources: dict) -> int:
+        step = sources["committed_step"]
+        manifest, tensors, report = self._agreed(
+            lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
+        self.outer.load_state_tensor(tensors["state"])
+        self.outer_step = step
+        self._download_s += report.seconds
+        self._check_hash(step, sources)
+        log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,
+                 report.total_bytes / 1e6, report.seconds, ", ".join(report.bytes_from))
+        return report.total_bytes
+
+    def _replay(self, sources: dict) -> int:
+        target = sources["committed_step"]
+        start = self.outer_step
+        for step in range(start + 1, target + 1):
+            _, tensors, _ = self._agreed(
+                lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
+            self.outer.step(tensors["mean"], local_shards(self.model))
+            self.outer_step = step
+        self._check_hash(target, sources)
+        return target - start
+
+    def _check_hash(self, step: int, sources: dict) -> None:
+        expected = sources["hashes"].get(step)
+        for _ in range(40):  # the members commit their hashes moments after the step is applied
+            if expected is not None:
+                break
+            time.sleep(0.25)
+            expected = self.mesh.sources()["hashes"].get(step)
+        got = node_hash(self.outer.digest())
+        if got != expected:
+            raise StateMismatch(f"outer step {step} rebuilt from peers hashes to {got}, the run committed {expected}")
 
     def _fault(self, step: int):
         def on_phase(phase: str) -> None:

@@ -24,3 +24,9 @@ class DilocoConfig(BaseModel):
     data_slots: int = Field(
         8, ge=1, description="Nodes the data is split for: node i reads data slot i % data_slots."
     )
+    serve_snapshots: bool = Field(
+        True, description="Serve a snapshot of every committed outer step (and the update that made it) to peers "
+                          "that catch up; off, this node cannot help a joiner.")
+    linger_s: float = Field(
+        60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
+                                "catching up (a straggler that missed the final outer step).")

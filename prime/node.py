@@ -29,7 +29,8 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
              "model_hash": node_hash(outer.digest()), "address": ""}
     mesh = ElasticDeviceMesh(config.mesh, token, facts)
-    trainer.hooks.append(DilocoHook(trainer.model, mesh, config.diloco, outer, config.chaos))
+    trainer.hooks.append(DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads",
+                                    config.chaos))
     trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
     slots, local_world = config.diloco.data_slots, dist.get_world_size()
     slot = mesh.joined["node_index"] % slots

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -34,11 +35,13 @@ log = logging.getLogger(__name__)
 
 class StepHook(Protocol):
     """Attaches to the loop: on_start once before the first step, after_step after every inner step
-    (may change the model; returns a metrics record or None)."""
+    (may change the model; returns a metrics record or None), on_end once after the last step."""
 
     def on_start(self, trainer: "Trainer") -> None: ...
 
     def after_step(self, trainer: "Trainer", step: int) -> dict | None: ...
+
+    def on_end(self, trainer: "Trainer") -> None: ...
 
 
 class Trainer:
@@ -101,7 +104,9 @@ class Trainer:
         """Moves the step counter and the LR schedule (a node that joined takes the run's position)."""
         self.step = step
         self.scheduler.last_epoch = step - 1
-        self.scheduler.step()
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": deliberate here
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
 
     def _restore(self) -> DataPosition:
         latest = self.checkpoints.latest()
@@ -210,6 +215,8 @@ class Trainer:
             self.metrics.write({k: v for k, v in record.items() if k != "eval_loss"})
             if (every and self.step % every == 0) or last:
                 self.save_checkpoint()
+        for hook in self.hooks:
+            hook.on_end(self)
         return record
 
     def close(self) -> None:

@@ -126,13 +126,41 @@ def test_a_node_joins_a_running_job(tmp_path, corpus):
         c.start_node("late")
         assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
         late = c.outer_records("late")
-        first = min(late)
-        assert 3 <= first < 18, first
-        assert late[first]["members"] == 2  # its zero contribution is not averaged in
-        assert_identical(c, ["node0", "node1", "late"], range(first, 21))
-        assert max(late) == 20 and late[first + 1]["members"] == 3
-        steps = [r["step"] for r in c.metrics("late") if "loss" in r]
-        assert steps[0] == first * 5 + 1  # it took the run's position, schedule included
+        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+        events = " | ".join(e["text"] for e in c.status()["events"])
+    # It took a snapshot from a peer while the others went on, replayed the step committed meanwhile, and
+    # its first round is a full member's: its stale weights never entered an average.
+    assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0 and caught[0]["replayed"] >= 1, caught
+    first = min(late)
+    assert 3 <= first < 18 and first == caught[0]["caught_up_to"] + 1, (first, caught)
+    assert late[first]["members"] == 3
+    assert_identical(c, ["node0", "node1", "late"], range(first, 21))
+    assert caught[0]["model_hash"] == c.outer_records("node0")[first - 1]["model_hash"]
+    steps = [r["step"] for r in c.metrics("late") if "loss" in r]
+    assert steps[0] == (first - 1) * 5 + 1  # it took the run's position, schedule included
+    # Nobody waited for it: no round was held back at the barrier on its account.
+    assert "left out late node(s) late" not in events, events
+    rounds = [c.outer_records("node0")[k]["outer_s"] for k in range(2, first)]
+    assert max(rounds) < 5, rounds
+
+
+def test_a_straggler_is_left_out_and_catches_up_by_replaying(tmp_path, corpus):
+    """node2 is 10× slower than the others: it misses the deadlines, the others never wait past them, and
+    it keeps up by replaying the averaged updates it missed (no whole snapshot), identical throughout."""
+    with cluster(tmp_path, corpus, 3, steps=60) as c:
+        c.start_node("node0", ["--chaos.step_delay_s", "0.1"])
+        c.start_node("node1", ["--chaos.step_delay_s", "0.1"])
+        c.start_node("node2", ["--chaos.step_delay_s", "1.0"])
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node2")[-3000:]
+    fast = c.outer_records("node0")
+    assert max(fast) == 12
+    caught = [r for r in c.metrics("node2") if "caught_up_to" in r]
+    assert caught and all(r["snapshot_bytes"] == 0 and r["replayed"] >= 1 for r in caught), caught
+    for r in caught:
+        assert r["model_hash"] == fast[r["caught_up_to"]]["model_hash"]
+    assert any(fast[k]["members"] == 2 for k in fast)  # left out, not waited for
+    # A round of the fast nodes is ~0.5 s of compute; waiting is bounded by the 3 s deadline.
+    assert max(fast[k]["outer_s"] for k in fast if k > 1) < 3 + 2.5
 
 
 def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):

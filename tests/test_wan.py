@@ -103,3 +103,46 @@ def test_three_nodes_train_under_the_global_profile(tmp_path, corpus):
         # Stated tolerance: never faster than the link allows; at most 1.3× that plus 10 round trips
         # (the protocol's 3 phases, TCP slow start on the epoch's connections, 0.1% loss).
         assert 0.95 * ideal <= r["allreduce_s"] <= 1.3 * ideal + 10 * rtt
+
+
+def test_a_partitioned_node_is_left_out_then_rejoins_after_the_heal(tmp_path, corpus):
+    """Every packet to and from node2 is dropped for longer than the lease (its link goes down), then
+    the link comes back: the others go on without it, and it notices, joins again, takes the state and
+    contributes, with identical models throughout."""
+    import time
+
+    from launch.chaos import FaultInjector
+
+    names = ["node0", "node1", "node2"]
+    overrides = ["--data.path", str(corpus), "--train.max_steps", "150", "--diloco.inner_steps", "5",
+                 "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.05",
+                 "--mesh.transfer_timeout_s", "10"]
+    with WanTopology(["coordinator", *names], "lan") as wan:
+        print(wan.describe())
+        with LocalCluster(tmp_path / "run", "configs/debug.toml", overrides, wan=wan,
+                          coordinator_args=["--lease-s", "3", "--heartbeat-s", "0.5", "--min-wait-s", "2"]) as c:
+            injector = FaultInjector(c, wan)
+            c.start_coordinator(start_nodes=3)
+            for name in names:
+                injector.start_node(name)
+            deadline = time.monotonic() + 180
+            while len(c.outer_records("node2")) < 2:
+                assert time.monotonic() < deadline, c.log("node2")[-3000:]
+                time.sleep(0.2)
+            injector.partition("node2")
+            time.sleep(8)  # well past the 3 s lease
+            cut_at = max(c.outer_records("node0"))
+            injector.heal("node2")
+            assert c.wait_nodes(300) == {n: 0 for n in names}, c.log("node2")[-3000:]
+            status = c.status()
+    events = " | ".join(e["text"] for e in status["events"])
+    assert "node2 declared dead" in events and "node2-" in events, events  # dropped, then joined again
+    r0, r2 = c.outer_records("node0"), c.outer_records("node2")
+    assert max(r0) == max(r2) == 30
+    left_out = [k for k in r0 if r0[k]["members"] == 2]
+    assert left_out and min(left_out) <= cut_at, (left_out, cut_at)  # the others went on without it
+    back = [k for k in r2 if k > cut_at and r2[k]["members"] == 3]
+    assert back, "node2 never contributed again after the heal"
+    for k in set(r0) & set(r2):
+        assert r0[k]["model_hash"] == r2[k]["model_hash"], k
+    print(f"left out at outer steps {left_out[0]}..{left_out[-1]}; contributing again from {back[0]}")

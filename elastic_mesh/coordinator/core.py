@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import statistics
@@ -54,7 +55,6 @@ class Refused(Exception):
 class Ready:
     at: float
     contributes: bool
-    needs_state: bool
 
 
 def _hash_session(session: str) -> str:
@@ -72,12 +72,14 @@ class Coordinator:
         self.first_ready: dict[int, float] = {}
         self.votes: dict[tuple[int, int], dict[str, dict]] = defaultdict(dict)
         self.round_times: deque[float] = deque(maxlen=20)
-        self.unservable: dict[int, str] = {}
         self.last_ready_at: dict[str, float] = {}
         self.started = time.monotonic()
         self.telemetry = TelemetryLog(state)
         with self.state.transaction():
             self.state.set_meta("run_id", run_id)
+            if self.state.get_meta("snapshot_key") is None:
+                # Admitted nodes present it to each other to fetch snapshots; tokens never leave the coordinator.
+                self.state.set_meta("snapshot_key", secrets.token_hex(24))
             # Whatever was in flight when the previous process died is re-run from scratch; nothing was
             # applied, since nodes apply only after an "apply" decision, which is always written first.
             for step in self.state.open_steps():
@@ -101,6 +103,8 @@ class Coordinator:
         name = str(body.get("name", ""))[:64] or "node"
         fingerprint, procs = str(body.get("fingerprint", "")), int(body.get("procs_per_node", 0))
         model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256] or peer
+        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+        snapshot = [f"{host}:{int(p)}" for p in list(body.get("snapshot_ports") or [])[:64]]
         with self.lock, self.state.transaction():
             run_fp = self.state.get_meta("fingerprint")
             run_procs = self.state.get_meta("procs_per_node")
@@ -123,8 +127,10 @@ class Coordinator:
             self.state.set_meta("next_node_index", index + 1)
             session = secrets.token_hex(24)
             taken = {n.name for n in self.state.nodes()}
+            # A newcomer holds no committed state (outer step 0 only while nothing has committed yet).
             node = Node(secrets.token_hex(6), f"{name}-{index}" if name in taken else name,
-                        _hash_session(session), index, "active", time.time(), committed, model_hash, address)
+                        _hash_session(session), index, "active", time.time(), 0, model_hash, address,
+                        snapshot=json.dumps(snapshot))
             self.state.put_node(node)
             self.state.event(f"{node.name} joined at outer step {committed}")
             self.leases[node.node_id] = time.monotonic() + self.config.lease_s
@@ -132,7 +138,8 @@ class Coordinator:
         log.info("%s joined (node index %d) at outer step %d", node.name, index, committed)
         return {"node_id": node.node_id, "session": session, "name": node.name, "node_index": index,
                 "run_id": self.run_id, "committed_step": committed, "lease_s": self.config.lease_s,
-                "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s}
+                "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s,
+                "snapshot_key": self.state.get_meta("snapshot_key")}
 
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
         if self.config.public_status:
@@ -197,14 +204,12 @@ class Coordinator:
         """Answers go/missed/resync, or None while the members of the step are not fixed yet."""
         step = int(body["outer_step"])
         committed = self.state.committed_step()
-        if node.needs_resync and not body.get("needs_state"):
+        if node.needs_resync:
             return {"status": "resync", "committed_step": committed}
         if step <= committed:
             return {"status": "missed", "committed_step": committed}
         if step > committed + 1:
             raise Refused(409, f"outer step {step} is ahead of the run (last committed {committed})")
-        if step in self.unservable and body.get("needs_state"):
-            raise Refused(409, self.unservable[step])
         open_step = self._open_attempt(step)
         if open_step is not None:
             for rank, member in enumerate(open_step.members):
@@ -213,9 +218,7 @@ class Coordinator:
             return None  # a latecomer waits for the attempt in flight to end
         if node.node_id not in self.ready[step]:
             now = time.monotonic()
-            self.unservable.pop(step, None)  # a newcomer may hold the state
-            self.ready[step][node.node_id] = Ready(now, bool(body.get("contributes", True)),
-                                                   bool(body.get("needs_state", False)))
+            self.ready[step][node.node_id] = Ready(now, bool(body.get("contributes", True)))
             self.first_ready.setdefault(step, now)
             if node.node_id in self.last_ready_at:
                 self.round_times.append(now - self.last_ready_at[node.node_id])
@@ -241,17 +244,14 @@ class Coordinator:
         if not ready:
             return
         waited = time.monotonic() - self.first_ready.get(step, time.monotonic())
-        if len(ready) < len(live) and waited < self.deadline_s():
+        # Only nodes that hold the last committed state are waited for; one still catching up (a joiner
+        # fetching a snapshot, a straggler replaying) never holds the others back.
+        in_step = {nid for nid, n in live.items() if n.outer_step == step - 1 and not n.needs_resync}
+        if not in_step <= set(ready) and waited < self.deadline_s():
             return
         if step == 1 and len(ready) < self.config.start_nodes:
             return
         if not any(r.contributes for r in ready.values()):
-            if all(r.needs_state for r in ready.values()) and len(ready) == len(live) and step not in self.unservable:
-                self.unservable[step] = (f"no live node holds outer step {step - 1}; restart the run from a "
-                                         "checkpoint (all nodes that had it are gone)")
-                log.error("%s", self.unservable[step])
-                self.state.event(self.unservable[step])
-                self.changed.notify_all()
             return
         members = sorted(ready, key=lambda nid: live[nid].node_index)
         attempts = self.state.steps(step)
@@ -259,9 +259,8 @@ class Coordinator:
         same = last is not None and last.decision == "apply" and [m["node_id"] for m in last.members] == members
         epoch = last.epoch if same else self.state.max_epoch() + 1
         decision = StepDecision(step, len(attempts) + 1, epoch, [
-            {"node_id": nid, "name": live[nid].name, "contributes": ready[nid].contributes,
-             "needs_state": ready[nid].needs_state} for nid in members], "open")
-        late = [live[nid].name for nid in live if nid not in ready]
+            {"node_id": nid, "name": live[nid].name, "contributes": ready[nid].contributes} for nid in members], "open")
+        late = [live[nid].name for nid in in_step if nid not in ready]
         with self.state.transaction():
             self.state.put_step(decision)
             if not same:
@@ -276,9 +275,8 @@ class Coordinator:
         self.changed.notify_all()
 
     def _go(self, step: StepDecision, rank: int) -> dict:
-        source = next((r for r, m in enumerate(step.members) if not m["needs_state"]), None)
         return {"status": "go", "outer_step": step.outer_step, "attempt": step.attempt, "epoch": step.epoch,
-                "rank": rank, "world_size": len(step.members), "members": step.members, "state_source": source}
+                "rank": rank, "world_size": len(step.members), "members": step.members}
 
     # ---- votes and commits ---------------------------------------------------------------------------
     def vote(self, node: Node, body: dict) -> dict | None:
@@ -323,12 +321,12 @@ class Coordinator:
                 self.leases.pop(nid, None)
                 self.state.event(f"outer step {step.outer_step}: evicted {names[nid]} (sent invalid data)")
             if decision == "apply":
-                for m in step.members:
+                for m in step.members:  # every member applies the mean, refused or not
+                    node = self.state.node(m["node_id"])
+                    node.outer_step = step.outer_step
                     if m["contributes"] and m["node_id"] not in refused:
-                        node = self.state.node(m["node_id"])
                         node.contributions += 1
-                        node.outer_step = step.outer_step
-                        self.state.put_node(node)
+                    self.state.put_node(node)
             else:
                 failed = [names[n] for n, v in votes.items() if not v["ok"]]
                 self.state.event(f"outer step {step.outer_step} attempt {step.attempt} aborted "
@@ -354,6 +352,9 @@ class Coordinator:
                 counts[h] += 1
             majority = max(counts, key=lambda h: (counts[h], -min(
                 self.state.node(n).node_index for n, x in hashes.items() if x == h)))
+            if model_hash == majority and node.outer_step < step:
+                node.outer_step = step  # a node that caught up by replaying now holds this step
+                self.state.put_node(node)
             step_row = applied[-1]
             step_row.model_hash = majority
             self.state.put_step(step_row)
@@ -383,9 +384,28 @@ class Coordinator:
                     if gone:
                         self._decide(current, "abort", votes)
             for step in self.state.open_steps():
-                # An attempt whose members all died before voting would stay open for ever.
-                if not any(m["node_id"] in self.leases for m in step.members):
-                    self._decide(step, "abort", self.votes.get((step.outer_step, step.attempt), {}))
+                # A member that died before voting (even before anyone voted: in the rendezvous or the
+                # state transfer) dooms the attempt; deciding now frees the others from waiting on it.
+                votes = self.votes.get((step.outer_step, step.attempt), {})
+                if any(m["node_id"] not in self.leases and m["node_id"] not in votes for m in step.members):
+                    self._decide(step, "abort", votes)
+
+    def epoch_is_dead(self, epoch: int) -> bool:
+        """True once the newest attempt of the epoch aborted: its rendezvous will never complete."""
+        return self.state.epoch_decision(epoch) == "abort"
+
+    def sources(self, node: Node) -> dict:
+        """Where a node that is behind can fetch the state: the live nodes holding the last committed
+        step (their snapshot servers, one per local rank), and the committed hashes to check it against."""
+        with self.lock:
+            self._expire_leases()
+            committed = self.state.committed_step()
+            holders = [n for n in self.live_nodes() if n.outer_step == committed and not n.needs_resync
+                       and n.node_id != node.node_id and json.loads(n.snapshot)]
+            behind = [n.name for n in self.live_nodes() if n.outer_step < committed and n.node_id != node.node_id]
+            return {"committed_step": committed, "hashes": self.state.committed_hashes(limit=64),
+                    "sources": [{"name": n.name, "snapshot": json.loads(n.snapshot)} for n in holders],
+                    "behind": behind}
 
     # ---- status ------------------------------------------------------------------------------------
     def history(self, after_id: int) -> dict:

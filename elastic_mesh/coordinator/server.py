@@ -116,12 +116,22 @@ def _long_poll(coordinator: Coordinator, attempt) -> dict:
 
 def _store_get(c: Coordinator, node, body) -> dict:
     key = str(body["key"])
-    value = _long_poll(c, lambda: _found(c.state.store_get(key)))
-    return value
+    return _long_poll(c, lambda: _found(c, key, c.state.store_get(key)))
 
 
-def _found(value: bytes | None) -> dict | None:
-    return None if value is None else {"status": "ok", "value": base64.b64encode(value).decode()}
+def _found(c: Coordinator, key: str, value: bytes | None) -> dict | None:
+    if value is None:
+        _refuse_dead_epoch(c, key)
+        return None
+    return {"status": "ok", "value": base64.b64encode(value).decode()}
+
+
+def _refuse_dead_epoch(c: Coordinator, key: str) -> None:
+    """A rendezvous key of an aborted epoch will never appear (its member died): say so instead of
+    letting Gloo wait for its own time-out."""
+    epoch = key[1:].split("/", 1)[0] if key.startswith("e") else ""
+    if epoch.isdigit() and c.epoch_is_dead(int(epoch)):
+        raise Refused(410, f"epoch {epoch} was aborted (a member died before the rendezvous completed)")
 
 
 def _store_set(c: Coordinator, node, body) -> dict:
@@ -149,7 +159,13 @@ def _store_check(c: Coordinator, node, body) -> dict:
 
 def _store_wait(c: Coordinator, node, body) -> dict:
     keys = [str(k) for k in body["keys"]]
-    return _long_poll(c, lambda: {"status": "ok"} if all(c.state.store_get(k) is not None for k in keys) else None)
+
+    def present() -> dict | None:
+        missing = [k for k in keys if c.state.store_get(k) is None]
+        for key in missing:
+            _refuse_dead_epoch(c, key)
+        return None if missing else {"status": "ok"}
+    return _long_poll(c, present)
 
 
 _ROUTES = {
@@ -159,6 +175,9 @@ _ROUTES = {
     "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.declare_ready(c.state.node(n.node_id), b)),
     "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.vote(c.state.node(n.node_id), b)),
     "/v1/commit": lambda c, n, b: c.commit(n, b),
+    "/v1/sources": lambda c, n, b: c.sources(n),
+    "/v1/wait_commit": lambda c, n, b: _long_poll(c, lambda: (
+        {"committed_step": c.state.committed_step()} if c.state.committed_step() > int(b["after"]) else None)),
     "/v1/store/get": _store_get,
     "/v1/store/set": _store_set,
     "/v1/store/add": _store_add,

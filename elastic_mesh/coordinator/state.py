@@ -17,7 +17,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, name TEXT NOT NULL, session_hash TEXT NOT NULL, node_index INTEGER NOT NULL,
     state TEXT NOT NULL, joined_at REAL NOT NULL, outer_step INTEGER NOT NULL, model_hash TEXT NOT NULL,
     address TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0,
-    needs_resync INTEGER NOT NULL DEFAULT 0);
+    needs_resync INTEGER NOT NULL DEFAULT 0, snapshot TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE IF NOT EXISTS steps (
     outer_step INTEGER NOT NULL, attempt INTEGER NOT NULL, epoch INTEGER NOT NULL, members TEXT NOT NULL,
     decision TEXT NOT NULL, model_hash TEXT, decided_at REAL NOT NULL, allreduce_s REAL,
@@ -45,6 +45,7 @@ class Node:
     contributions: int = 0
     refused: int = 0
     needs_resync: int = 0
+    snapshot: str = "[]"  # JSON list of host:port, the snapshot server of each local rank
 
 
 @dataclass
@@ -52,7 +53,7 @@ class StepDecision:
     outer_step: int
     attempt: int
     epoch: int
-    members: list[dict]  # [{node_id, name, contributes, needs_state}] in rank order
+    members: list[dict]  # [{node_id, name, contributes}] in rank order
     decision: str  # open | apply | abort
     model_hash: str | None = None
 
@@ -84,7 +85,7 @@ class CoordinatorState:
         return Node(*row) if row else None
 
     def put_node(self, node: Node) -> None:
-        self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 12)})",
+        self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 13)})",
                         tuple(node.__dict__.values()))
 
     # steps
@@ -112,6 +113,17 @@ class CoordinatorState:
 
     def max_epoch(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(epoch), 0) FROM steps").fetchone()[0]
+
+    def committed_hashes(self, limit: int) -> dict[int, str]:
+        """The majority model hash of the last `limit` applied outer steps."""
+        rows = self.db.execute("SELECT outer_step, model_hash FROM steps WHERE decision = 'apply' AND model_hash "
+                               "IS NOT NULL ORDER BY outer_step DESC LIMIT ?", (limit,)).fetchall()
+        return {step: h for step, h in rows}
+
+    def epoch_decision(self, epoch: int) -> str | None:
+        row = self.db.execute("SELECT decision FROM steps WHERE epoch = ? ORDER BY outer_step DESC, attempt DESC "
+                              "LIMIT 1", (epoch,)).fetchone()
+        return row[0] if row else None
 
     def committed_step(self) -> int:
         row = self.db.execute("SELECT MAX(outer_step) FROM steps WHERE decision = 'apply'").fetchone()
@@ -174,7 +186,7 @@ def _step(row) -> StepDecision:
 
 
 _NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, outer_step, model_hash, address, "
-                 "contributions, refused, needs_resync")
+                 "contributions, refused, needs_resync, snapshot")
 
 
 class _Transaction:

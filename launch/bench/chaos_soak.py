@@ -21,6 +21,7 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -59,14 +60,42 @@ class Observer:
         return self._query("SELECT COUNT(*) FROM events WHERE text LIKE '%diverged%'")[0][0]
 
 
-def wait_commit(observer: Observer, after: int, timeout_s: float) -> float | None:
-    """time.monotonic() when an outer step after `after` has committed, or None (a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if observer.committed() > after:
-            return time.monotonic()
-        time.sleep(0.05)
-    return None
+class CommitWatcher:
+    """Notes when each outer step commits (polled every 50 ms in the background), so the time from a
+    fault to the next commit is measured from the fault's start even while injecting takes a while."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+        self.commits: list[tuple[float, int]] = []  # (monotonic time first seen, committed step)
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        last = 0  # step 0 is the start, not a commit
+        while not self._stop.wait(0.05):
+            try:
+                step = self.observer.committed()
+            except sqlite3.Error:
+                continue  # mid-write; the next poll sees it
+            if step > last:
+                self.commits.append((time.monotonic(), step))
+                last = step
+
+    def latest(self) -> int:
+        return self.commits[-1][1] if self.commits else 0
+
+    def next_commit(self, after_time: float, timeout_s: float) -> float | None:
+        """Seconds from after_time to the first commit seen after it, or None (a hang)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            later = [t for t, _ in self.commits if t > after_time]
+            if later:
+                return later[0] - after_time
+            time.sleep(0.05)
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def soak(args) -> dict:
@@ -87,6 +116,7 @@ def soak(args) -> dict:
     cluster = LocalCluster(run_dir, "configs/debug.toml", overrides, wan=wan, coordinator_args=[
         "--lease-s", str(LEASE_S), "--heartbeat-s", "0.5", "--min-wait-s", "2"])
     injector, observer = FaultInjector(cluster, wan, args.seed), Observer(cluster)
+    watcher = None
     results: dict[str, list] = defaultdict(list)  # kind -> recovery seconds (None = hang)
     crashed, joiners = 0, 0
     started = time.monotonic()
@@ -94,8 +124,9 @@ def soak(args) -> dict:
         cluster.start_coordinator(start_nodes=args.nodes)
         for name in names:
             injector.start_node(name)
-        if wait_commit(observer, 1, 300) is None:
-            raise RuntimeError(f"the cluster never committed its first outer steps; see {run_dir}")
+        watcher = CommitWatcher(observer)
+        if watcher.next_commit(time.monotonic() - 1e9, 300) is None:
+            raise RuntimeError(f"the cluster never committed an outer step; see {run_dir}")
         for i in range(args.faults):
             # Every node back and running before the next fault; one that died on its own is a crash.
             for name in names:
@@ -105,26 +136,20 @@ def soak(args) -> dict:
                         crashed += 1
                         print(f"  {name} exited with {code} on its own; see {run_dir / name / 'log'}")
                     injector.start_node(name)
-            wait_commit(observer, observer.committed(), 120)
+            watcher.next_commit(time.monotonic(), 120)  # running again before the next fault
             kind = kinds[i % len(kinds)] if args.every_kind_in_turn else rng.choice(kinds)
             target = rng.choice(names)
             hold_s = {"short-stall": LEASE_S / 2, "long-stall": LEASE_S + 2, "throttle": 10.0,
                       "partition": LEASE_S + 2}.get(kind, 0.0)
-            before = observer.committed()
             if kind == "kill":
                 time.sleep(rng.uniform(0, 1.0))
-                before = observer.committed()
                 injector.kill(target)
             elif kind == "kill-in-allreduce":
                 injector.kill_in_allreduce(target)
-                # The step it died in cannot commit before the abort and a retry without it: counting from
-                # the death misses nothing and leaves out the time the node took to reach its all-reduce.
-                before = observer.committed()
             elif kind == "kill-while-joining":
                 joiners += 1
                 target = f"joiner{joiners}"
                 injector.kill_while_joining(target, observer.status)
-                before = observer.committed()
             elif kind in ("short-stall", "long-stall"):
                 injector.pause(target, hold_s)
             elif kind == "throttle":
@@ -140,18 +165,19 @@ def soak(args) -> dict:
             elif kind == "partition":
                 injector.partition(target)
             fault = injector.faults[-1]
-            committed_at = wait_commit(observer, before, args.hang_s)
-            recovery = None if committed_at is None else max(0.0, committed_at - fault.at)
+            recovery = watcher.next_commit(fault.at, args.hang_s)
             results[kind].append(recovery)
             print(f"fault {i + 1:3d}/{args.faults}: {kind:<20} {fault.target:<12} "
                   + (f"next commit after {recovery:5.1f} s" if recovery is not None else "HANG: no commit")
-                  + f" (outer step {observer.committed()})", flush=True)
+                  + f" (outer step {watcher.latest()})", flush=True)
             time.sleep(max(0.0, fault.at + hold_s - time.monotonic()))  # the fault runs its course
             if kind == "partition":
                 injector.heal(target)
         committed = observer.committed()
         diverged_events = observer.diverged_events()
     finally:
+        if watcher:
+            watcher.stop()
         cluster.stop()
         if wan:
             wan.down()

@@ -1,0 +1,113 @@
+"""Benchmark: how fast a node joins a running job over a rate-limited link, and what it costs the others.
+
+S source nodes train (pinned to core 0) behind links of --up-mbit upload each; a joiner (pinned to
+core 1, --down-mbit download) starts mid-run. It fetches the snapshot of the last committed step
+from all S sources at once, waits for the next commit, replays it, and enters the following round.
+Printed per S: snapshot bytes, download time against bytes / min(S × up, down), catch-up time against
+its lower bound (download at link rate + the rest of the round it arrived in), time to its first
+contribution, and the sources' tokens/s during the join against the same span just before it.
+
+    python launch/bench/join.py [--sources 1 3] [--up-mbit 10] [--down-mbit 100] [--latency-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launch.cluster import LocalCluster  # noqa: E402
+from launch.wan import LinkProfile, WanTopology  # noqa: E402
+from prime.data.builtin_corpus import prepare  # noqa: E402
+
+MODEL = ["--model.hidden_size", "256", "--model.intermediate_size", "768", "--model.num_layers", "4",
+         "--model.num_heads", "4", "--model.num_kv_heads", "2"]
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def trial(sources: int, args, corpus: Path) -> dict:
+    names = [f"source{i}" for i in range(sources)]
+    up = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.up_mbit, down_mbit=args.down_mbit)
+    overrides = ["--data.path", str(corpus), "--train.max_steps", "100000", "--diloco.inner_steps", "10",
+                 "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.3",
+                 "--mesh.transfer_timeout_s", "120", "--train.log_every", "1000", *MODEL]
+    with WanTopology(["coordinator", *names, "joiner"], up) as wan, tempfile.TemporaryDirectory() as tmp:
+        with LocalCluster(Path(tmp), "configs/debug.toml", overrides, wan=wan,
+                          coordinator_args=["--lease-s", "10", "--min-wait-s", "5"]) as c:
+            c.start_coordinator(start_nodes=sources)
+            for name in names:
+                c.start_node(name, cpus="0")
+            wait_for(lambda: len(c.outer_records(names[0])) >= 3, 600, "three outer steps")
+            started = time.time()
+            c.start_node("joiner", cpus="1")
+            caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
+            first = wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step")
+            log = c.log("joiner")
+            c.stop()
+        backend = wan.backend
+    admitted = _admitted_time(log, started)
+    link_mbit = min(sources * args.up_mbit, args.down_mbit)
+    bytes_ = caught["snapshot_bytes"]
+    ideal_download = bytes_ * 8 / (link_mbit * 1e6)
+    steps = [r for r in c.metrics(names[0]) if "loss" in r]
+    span = caught["time"] - admitted
+    during = [r["tokens_per_s"] for r in steps if admitted <= r["time"] <= caught["time"]]
+    before = [r["tokens_per_s"] for r in steps if admitted - span <= r["time"] < admitted]
+    first_step = min(first)
+    return {"sources": sources, "backend": backend, "snapshot_mb": bytes_ / 1e6, "download_s": caught["download_s"],
+            "ideal_download_s": ideal_download, "catch_up_s": caught["catch_up_s"],
+            "first_contribution_s": first[first_step]["time"] - admitted, "replayed": caught["replayed"],
+            "others_ratio": statistics.median(during) / statistics.median(before) if during and before else float("nan"),
+            "samples": (len(before), len(during)), "process_start_s": admitted - started}
+
+
+def _admitted_time(log: str, fallback: float) -> float:
+    """Wall time of the joiner's 'joined run' line (after Python, torch and the model are up)."""
+    import datetime
+
+    for line in log.splitlines():
+        if "joined run" in line:
+            hh, mm, ss = (int(x) for x in line.split()[0].split(":"))
+            day = datetime.datetime.fromtimestamp(fallback)
+            return day.replace(hour=hh, minute=mm, second=ss, microsecond=0).timestamp()
+    return fallback
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="example: python launch/bench/join.py --sources 1 3 --up-mbit 10")
+    parser.add_argument("--sources", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--up-mbit", type=float, default=10.0)
+    parser.add_argument("--down-mbit", type=float, default=100.0)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    corpus = prepare()
+    rows = [trial(s, args, corpus) for s in args.sources]
+    print(f"join over links of {args.up_mbit:g} Mbit/s up per source, {args.down_mbit:g} Mbit/s down at the joiner, "
+          f"{args.latency_ms:g} ms one way (backend {rows[0]['backend']})")
+    print(f"{'sources':>7} {'snapshot MB':>11} {'download s':>10} {'at link rate s':>14} {'catch-up s':>10} "
+          f"{'first contribution s':>20} {'replayed':>8} {'others tok/s during/before':>26}")
+    for r in rows:
+        print(f"{r['sources']:>7} {r['snapshot_mb']:>11.1f} {r['download_s']:>10.2f} {r['ideal_download_s']:>14.2f} "
+              f"{r['catch_up_s']:>10.2f} {r['first_contribution_s']:>20.1f} {r['replayed']:>8} "
+              f"{r['others_ratio']:>26.3f}")
+    print("catch-up = download + wait for the round in flight to commit + replay; times from the joiner's admission")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
