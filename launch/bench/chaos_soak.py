@@ -33,6 +33,7 @@ from launch.cluster import LocalCluster  # noqa: E402
 from prime.data.builtin_corpus import prepare  # noqa: E402
 
 LEASE_S = 3.0
+JOINER_HOSTS = 3
 KINDS = ["kill", "kill-in-allreduce", "kill-while-joining", "short-stall", "long-stall", "throttle",
          "coordinator-restart", "nan-pseudo-gradient", "hostile-input", "forged-token"]
 
@@ -108,7 +109,7 @@ def soak(args) -> dict:
     if args.wan:
         from launch.wan import WanTopology
 
-        wan = WanTopology(["coordinator", *names, *[f"joiner{i}" for i in range(args.faults)]], args.wan).up()
+        wan = WanTopology(["coordinator", *names, *[f"joiner{i}" for i in range(JOINER_HOSTS)]], args.wan).up()
         print(wan.describe().split(";")[0])
     rng = random.Random(args.seed)
     kinds = KINDS + (["partition"] if wan else [])
@@ -148,7 +149,7 @@ def soak(args) -> dict:
                 injector.kill_in_allreduce(target)
             elif kind == "kill-while-joining":
                 joiners += 1
-                target = f"joiner{joiners}"
+                target = f"joiner{joiners % JOINER_HOSTS}"  # a few hosts, reused: each joiner dies anyway
                 injector.kill_while_joining(target, observer.status)
             elif kind in ("short-stall", "long-stall"):
                 injector.pause(target, hold_s)
