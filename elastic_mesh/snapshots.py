@@ -124,9 +124,12 @@ class SnapshotServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, port: int, key: str, keep: int = 2, serve_delay_s: float = 0.0) -> None:
+    def __init__(self, host: str, port: int, key: str, keep: int = 2, keep_snapshots: int = 2,
+                 serve_delay_s: float = 0.0) -> None:
+        """keep: updates held; keep_snapshots: whole snapshots held (each is 2× the shard: params + momentum)."""
         super().__init__((host, port), _Handler)
-        self.key, self.keep, self.serve_delay_s = key, keep, serve_delay_s
+        self.key, self.serve_delay_s = key, serve_delay_s
+        self.keep = {"snapshot": keep_snapshots, "update": keep}
         self._held: dict[str, dict[int, Snapshot]] = {kind: {} for kind in KINDS}
         self._lock = threading.Lock()
         threading.Thread(target=self.serve_forever, daemon=True, name="snapshot-server").start()
@@ -135,11 +138,15 @@ class SnapshotServer(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
+    def handle_error(self, request, client_address) -> None:
+        # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.
+        log.debug("snapshot request from %s ended early", client_address, exc_info=True)
+
     def publish(self, snapshot: Snapshot, kind: str = "snapshot") -> None:
         with self._lock:
             held = self._held[kind]
             held[snapshot.step] = snapshot
-            for old in sorted(held)[:-self.keep]:
+            for old in sorted(held)[:-self.keep[kind]]:
                 del held[old]
 
     def get(self, kind: str, which: str) -> Snapshot | None:

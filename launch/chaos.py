@@ -108,16 +108,16 @@ class FaultInjector:
             raise RuntimeError(f"{name} did not reach an all-reduce within {timeout_s:.0f} s") from None
         return self._record("kill-in-allreduce", name)
 
-    def kill_while_joining(self, name: str, status, timeout_s: float = 120) -> Fault:
-        """Starts a new node and SIGKILLs it once the coordinator admitted it, before it contributed."""
+    def kill_while_joining(self, name: str, timeout_s: float = 120) -> Fault:
+        """Starts a new node and SIGKILLs it once the coordinator admitted it, while it catches up."""
+        seen = len(self.cluster.log(name))  # a reused name appends to the same log
         self.start_node(name)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(n["name"] == name and n["state"] == "active" for n in status()["nodes"]):
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{name} was not admitted within {timeout_s:.0f} s")
+        while "joined run" not in self.cluster.log(name)[seen:]:
+            if time.monotonic() > deadline or self.cluster.nodes[name].poll() is not None:
+                self.cluster.kill_node(name)  # never leave it running as an extra member
+                raise RuntimeError(f"{name} was not admitted within {timeout_s:.0f} s")
+            time.sleep(0.05)
         self.cluster.kill_node(name)
         self.cluster.nodes[name].wait()
         return self._record("kill-while-joining", name)
