@@ -259,9 +259,12 @@ class DilocoHook:
                 "step": trainer.step}
 
     def _bring_to_newest(self, full: bool) -> tuple[int, int]:
-        """Returns (snapshot bytes fetched, updates replayed)."""
-        fetched = 0
-        for attempt in range(1, 6):
+        """Returns (snapshot bytes fetched, updates replayed). Keeps trying for diloco.catch_up_timeout_s:
+        a source may be restarting, partitioned, or still publishing the newest step."""
+        fetched, attempt = 0, 0
+        give_up = time.monotonic() + self.config.catch_up_timeout_s
+        while True:
+            attempt += 1
             sources = self.mesh.sources()
             try:
                 if full or sources["committed_step"] - self.outer_step > self.mesh.config.snapshot_keep:
@@ -272,10 +275,11 @@ class DilocoHook:
                 log.warning("%s: %s; fetching a whole snapshot", self.mesh.name, e)
                 full = True
             except SnapshotError as e:
-                # Usually a race: the newest step is committed but its snapshot is still being published.
-                log.warning("%s: catching up failed (attempt %d of 5): %s", self.mesh.name, attempt, str(e)[:300])
+                if time.monotonic() > give_up:
+                    raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
+                                        f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
+                log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
                 time.sleep(min(1.0 * attempt, 5.0))
-        raise SnapshotError(f"{self.mesh.name} could not catch up with the run from its peers after 5 attempts")
 
     def _agreed(self, fetch) -> tuple[dict, dict, object]:
         """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""

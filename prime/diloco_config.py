@@ -27,6 +27,9 @@ class DilocoConfig(BaseModel):
     serve_snapshots: bool = Field(
         True, description="Serve a snapshot of every committed outer step (and the update that made it) to peers "
                           "that catch up; off, this node cannot help a joiner.")
+    catch_up_timeout_s: float = Field(
+        600.0, gt=0, description="A node that is behind keeps trying to catch up from its peers this long before it "
+                                 "stops with an error (no live node holds the run's newest step).")
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")
