@@ -43,6 +43,17 @@ class AllReduceResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    # The encoded mean exactly as every member decoded it (chunk `chunk` of owner r at r × its encoded
+    # size): a peer that missed the step replays it from these bytes, bit-identically and compressed.
+    wire: torch.Tensor | None = None
+    chunk: int = 0
+
+
+def decode_wire(wire: torch.Tensor, codec: Codec, chunk: int, total: int) -> torch.Tensor:
+    """The mean an all-reduce produced, from its `wire` bytes (what each member computed, bit for bit)."""
+    encoded = codec.encoded_size(chunk)
+    world = wire.numel() // encoded
+    return torch.cat([codec.decode(wire[r * encoded:(r + 1) * encoded], chunk) for r in range(world)])[:total]
 
 
 def _wait(work, phase: str) -> None:
@@ -184,4 +195,5 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
         on_phase("gather")
     mean = mean[:total]
     moved = (world - 1) * encoded * 2 + (world - 1) * 16  # both phases plus the headers
-    return AllReduceResult(mean, contributors, refused, moved, moved, time.perf_counter() - started)
+    return AllReduceResult(mean, contributors, refused, moved, moved, time.perf_counter() - started,
+                           wire=torch.cat(gathered), chunk=chunk)

@@ -125,11 +125,14 @@ class SnapshotServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, host: str, port: int, key: str, keep: int = 2, keep_snapshots: int = 2,
-                 serve_delay_s: float = 0.0) -> None:
-        """keep: updates held; keep_snapshots: whole snapshots held (each is 2× the shard: params + momentum)."""
+                 serve_delay_s: float = 0.0, pin_s: float = 60.0) -> None:
+        """keep: updates held; keep_snapshots: whole snapshots held (each is 2× the shard: params + momentum).
+        An older one is also held while someone fetched from it in the last pin_s seconds, so a download
+        over a slow link that outlasts a few rounds still completes."""
         super().__init__((host, port), _Handler)
-        self.key, self.serve_delay_s = key, serve_delay_s
+        self.key, self.serve_delay_s, self.pin_s = key, serve_delay_s, pin_s
         self.keep = {"snapshot": keep_snapshots, "update": keep}
+        self._last_read: dict[tuple[str, int], float] = {}
         self._held: dict[str, dict[int, Snapshot]] = {kind: {} for kind in KINDS}
         self._lock = threading.Lock()
         threading.Thread(target=self.serve_forever, daemon=True, name="snapshot-server").start()
@@ -146,15 +149,22 @@ class SnapshotServer(ThreadingHTTPServer):
         with self._lock:
             held = self._held[kind]
             held[snapshot.step] = snapshot
+            now = time.monotonic()
             for old in sorted(held)[:-self.keep[kind]]:
-                del held[old]
+                if now - self._last_read.get((kind, old), -math.inf) > self.pin_s:
+                    del held[old]
+                    self._last_read.pop((kind, old), None)
 
     def get(self, kind: str, which: str) -> Snapshot | None:
         with self._lock:
             held = self._held[kind]
             if which == "latest":
-                return held[max(held)] if held else None
-            return held.get(int(which)) if which.isdigit() else None
+                found = held[max(held)] if held else None
+            else:
+                found = held.get(int(which)) if which.isdigit() else None
+            if found is not None:
+                self._last_read[(kind, found.step)] = time.monotonic()
+            return found
 
     def steps(self, kind: str = "snapshot") -> list[int]:
         with self._lock:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from elastic_mesh.codecs import codec_for
-from elastic_mesh.collectives import CollectiveError, all_reduce_mean
+from elastic_mesh.collectives import CollectiveError, all_reduce_mean, decode_wire
 from elastic_mesh.client import CoordinatorError
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.snapshots import SnapshotError, build_snapshot
@@ -201,7 +201,7 @@ class DilocoHook:
         if commit.get("status") == "diverged":
             log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", self.mesh.name,
                       model_hash, commit.get("majority_hash"), step)
-        self._publish(step, result.mean)
+        self._publish(step, result)
         elapsed = time.perf_counter() - started
         record = {"outer_step": step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
@@ -215,16 +215,23 @@ class DilocoHook:
         return record
 
     # ---- serving peers ---------------------------------------------------------------------------------
-    def _publish(self, step: int, mean: torch.Tensor) -> None:
+    def _publish(self, step: int, result) -> None:
         """Snapshot of step k and the update that made it, built in the background (the outer state does
-        not change until the next outer step, which waits for this thread first)."""
+        not change until the next outer step, which waits for this thread first). The update travels as
+        the all-reduce's own encoded bytes: int8 is ~3.9× smaller than the fp32 mean, and decodes to it
+        exactly."""
         if not self.config.serve_snapshots:
             return
         state = self.outer.state_tensor()
+        if result.wire is not None:
+            update = {"wire": result.wire}
+            meta = {"codec": self.codec.name, "chunk": result.chunk, "total": result.mean.numel()}
+        else:  # nobody contributed: the mean is zeros, sent as is
+            update, meta = {"mean": result.mean}, {}
 
         def build() -> None:
             self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
-            self.mesh.snapshots.publish(build_snapshot(step, {"mean": mean}), "update")
+            self.mesh.snapshots.publish(build_snapshot(step, update, meta), "update")
         self._publisher = threading.Thread(target=build, daemon=True, name="snapshot-publisher")
         self._publisher.start()
 
@@ -308,9 +315,12 @@ class DilocoHook:
         target = sources["committed_step"]
         start = self.outer_step
         for step in range(start + 1, target + 1):
-            _, tensors, _ = self._agreed(
+            manifest, tensors, _ = self._agreed(
                 lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
-            self.outer.step(tensors["mean"], local_shards(self.model))
+            meta = manifest["meta"]
+            mean = tensors["mean"] if "mean" in tensors else decode_wire(
+                tensors["wire"], codec_for(meta["codec"]), meta["chunk"], meta["total"])
+            self.outer.step(mean, local_shards(self.model))
             self.outer_step = step
         self._check_hash(target, sources)
         return target - start

@@ -22,7 +22,7 @@ def _free_port() -> int:
 def _member(rank, world, port, size, compression, special, queue):
     import torch.distributed as dist
 
-    from elastic_mesh.collectives import CollectiveError, all_reduce_mean
+    from elastic_mesh.collectives import CollectiveError, all_reduce_mean, decode_wire
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -36,8 +36,12 @@ def _member(rank, world, port, size, compression, special, queue):
         if special == "liar" and rank == 1:
             return _lie(pg, x, codec_for(compression), world, queue)
         result = all_reduce_mean(pg, x, codec_for(compression), [True] * world, outlier_factor=10.0)
-        queue.put((rank, hashlib.sha256(result.mean.numpy().tobytes()).hexdigest(), result.mean,
-                   result.refused, result.bytes_sent, None))
+        digest = hashlib.sha256(result.mean.numpy().tobytes()).hexdigest()
+        # What a peer that missed the step replays (the wire bytes) must decode to the same mean, bit for bit.
+        if result.wire is not None and not torch.equal(
+                decode_wire(result.wire, codec_for(compression), result.chunk, size), result.mean):
+            digest = f"rank {rank}: the replayed wire bytes differ from the mean"
+        queue.put((rank, digest, result.mean, result.refused, result.bytes_sent, None))
     except CollectiveError as e:
         queue.put((rank, None, None, {}, 0, (e.phase, e.blame)))
 

@@ -154,3 +154,19 @@ def test_a_source_with_different_content_is_outvoted(tmp_path):
             s.stop()
     assert_state(tensors)
     assert addresses(liar)[0] not in report.bytes_from
+
+
+def test_a_snapshot_being_fetched_outlives_newer_ones():
+    server = SnapshotServer("127.0.0.1", 0, KEY, keep_snapshots=2, pin_s=60)
+    try:
+        for step in (1, 2):
+            server.publish(build_snapshot(step, {"x": torch.zeros(4)}))
+        assert server.get("snapshot", "1") is not None  # a joiner starts fetching step 1
+        for step in (3, 4, 5):
+            server.publish(build_snapshot(step, {"x": torch.zeros(4)}))
+        assert server.steps() == [1, 4, 5]  # 2 and 3 nobody read: evicted; 1 is in use
+        server.pin_s = 0
+        server.publish(build_snapshot(6, {"x": torch.zeros(4)}))
+        assert server.steps() == [5, 6]
+    finally:
+        server.stop()

@@ -7,7 +7,7 @@ Printed per S: snapshot bytes, download time against bytes / min(S × up, down),
 its lower bound (download at link rate + the rest of the round it arrived in), time to its first
 contribution, and the sources' tokens/s during the join against the same span just before it.
 
-    python launch/bench/join.py [--sources 1 3] [--up-mbit 10] [--down-mbit 100] [--latency-ms 20]
+    python launch/bench/join.py [--sources 1 3] [--up-mbit 20] [--down-mbit 100] [--latency-ms 20]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def trial(sources: int, args, corpus: Path) -> dict:
     names = [f"source{i}" for i in range(sources)]
     up = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.up_mbit, down_mbit=args.down_mbit)
     overrides = ["--data.path", str(corpus), "--train.max_steps", "100000", "--diloco.inner_steps", "10",
-                 "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.3",
+                 "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.6",
                  "--mesh.transfer_timeout_s", "120", "--train.log_every", "1000", *MODEL]
     with WanTopology(["coordinator", *names, "joiner"], up) as wan, tempfile.TemporaryDirectory() as tmp:
         with LocalCluster(Path(tmp), "configs/debug.toml", overrides, wan=wan,
@@ -89,9 +89,9 @@ def _admitted_time(log: str, fallback: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="example: python launch/bench/join.py --sources 1 3 --up-mbit 10")
+                                     epilog="example: python launch/bench/join.py --sources 1 3 --up-mbit 20")
     parser.add_argument("--sources", type=int, nargs="+", default=[1, 3])
-    parser.add_argument("--up-mbit", type=float, default=10.0)
+    parser.add_argument("--up-mbit", type=float, default=20.0)
     parser.add_argument("--down-mbit", type=float, default=100.0)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     args = parser.parse_args()
