@@ -117,12 +117,12 @@ class DilocoHook:
             return
         self._wait_for_publisher()
         deadline = time.monotonic() + self.config.linger_s
-        while time.monotonic() < deadline:
-            behind = self.mesh.sources()["behind"]
-            if not behind:
+        while behind := self.mesh.sources()["behind"]:
+            if time.monotonic() >= deadline:
+                log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind),
+                            self.config.linger_s)
                 return
             time.sleep(0.5)
-        log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind), self.config.linger_s)
 
     def after_step(self, trainer, step: int) -> dict | None:
         if self.chaos.kill_at_inner_step and step == self.chaos.kill_at_inner_step:

@@ -1,7 +1,7 @@
 """Benchmark: how fast a node joins a running job over a rate-limited link, and what it costs the others.
 
 S source nodes train (pinned to core 0) behind links of --up-mbit upload each; a joiner (pinned to
-core 1, --down-mbit download) starts mid-run. It fetches the snapshot of the last committed step
+core 1 with the user-space link emulator, --down-mbit download) starts mid-run. It fetches the snapshot of the last committed step
 from all S sources at once, waits for the next commit, replays it, and enters the following round.
 Printed per S: snapshot bytes, download time against bytes / min(S × up, down), catch-up time against
 its lower bound (download at link rate + the rest of the round it arrived in), time to its first
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,9 @@ def trial(sources: int, args, corpus: Path) -> dict:
                  "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.6",
                  "--mesh.transfer_timeout_s", "120", "--train.log_every", "1000", *MODEL]
     with WanTopology(["coordinator", *names, "joiner"], up) as wan, tempfile.TemporaryDirectory() as tmp:
+        if wan._emulator is not None:  # the user-space link emulator is the harness's cost, not the sources'
+            subprocess.run(["taskset", "-a", "-p", "-c", "1", str(wan._emulator.pid)], check=True,
+                           capture_output=True)
         with LocalCluster(Path(tmp), "configs/debug.toml", overrides, wan=wan,
                           coordinator_args=["--lease-s", "10", "--min-wait-s", "5"]) as c:
             c.start_coordinator(start_nodes=sources)
@@ -57,13 +61,13 @@ def trial(sources: int, args, corpus: Path) -> dict:
             caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
             first = wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step")
             log = c.log("joiner")
+            steps = [r for r in c.metrics(names[0]) if "loss" in r]
             c.stop()
         backend = wan.backend
     admitted = _admitted_time(log, started)
     link_mbit = min(sources * args.up_mbit, args.down_mbit)
     bytes_ = caught["snapshot_bytes"]
     ideal_download = bytes_ * 8 / (link_mbit * 1e6)
-    steps = [r for r in c.metrics(names[0]) if "loss" in r]
     span = caught["time"] - admitted
     during = [r["tokens_per_s"] for r in steps if admitted <= r["time"] <= caught["time"]]
     before = [r["tokens_per_s"] for r in steps if admitted - span <= r["time"] < admitted]
