@@ -278,10 +278,8 @@ class DilocoHook:
                     fetched += self._load_snapshot(sources)
                     full = False
                 return fetched, self._replay(sources)
-            except StateMismatch as e:
-                log.warning("%s: %s; fetching a whole snapshot", self.mesh.name, e)
-                full = True
-            except SnapshotError as e:
+            except (StateMismatch, SnapshotError) as e:
+                full = full or isinstance(e, StateMismatch)  # a wrong state: take a whole snapshot next
                 if time.monotonic() > give_up:
                     raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
                                         f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
@@ -293,8 +291,8 @@ class DilocoHook:
         result, error = None, None
         try:
             result = fetch()
-        except SnapshotError as e:
-            error = e
+        except (SnapshotError, OSError, ValueError, KeyError) as e:  # one rank must never fail alone
+            error = e if isinstance(e, SnapshotError) else SnapshotError(f"{type(e).__name__}: {e}")
         if not self.mesh.agree(error is None):
             raise error or SnapshotError("another local rank could not fetch its shard")
         return result
