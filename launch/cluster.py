@@ -21,6 +21,17 @@ from elastic_mesh.process_tree import kill_tree
 REPO = Path(__file__).resolve().parents[1]
 
 
+def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.2):
+    """predicate()'s first truthy value, polled until timeout_s passes (then TimeoutError naming `what`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

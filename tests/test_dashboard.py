@@ -12,13 +12,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from launch.cluster import LocalCluster
+from launch.cluster import LocalCluster, wait_for
 
 OVERRIDES = ["--train.max_steps", "400", "--train.eval_every", "10", "--chaos.step_delay_s", "0.05", "--checkpoint.keep", "100"]
 
@@ -48,15 +47,6 @@ def render(chromium: str, url: str, screenshot=None) -> str:
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def canvas_points(dom: str, chart: str) -> int:

@@ -22,22 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.cluster import LocalCluster  # noqa: E402
+from launch.cluster import LocalCluster, wait_for  # noqa: E402
 from launch.wan import LinkProfile, WanTopology  # noqa: E402
 from prime.data.builtin_corpus import prepare  # noqa: E402
 
 MODEL = ["--model.hidden_size", "256", "--model.intermediate_size", "768", "--model.num_layers", "4",
          "--model.num_heads", "4", "--model.num_kv_heads", "2"]
 
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def trial(sources: int, args, corpus: Path) -> dict:
