@@ -63,6 +63,15 @@ def _wait(work, phase: str) -> None:
         raise CollectiveError(f"{phase} failed: {e}", phase) from e
 
 
+def _post(start: Callable[[], object], phase: str):
+    """Starts a send/recv/allgather. Gloo can raise while posting (a peer that already closed its
+    connection), not only while waiting: that is the same failure and must reach callers the same way."""
+    try:
+        return start()
+    except RuntimeError as e:
+        raise CollectiveError(f"{phase} failed: {e}", phase) from e
+
+
 def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
               arrived: Callable[[int], None]) -> None:
     """Sends a distinct buffer to every other member: in step s a member sends to rank + s (so it
@@ -72,11 +81,12 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
     are all posted up front, so a step never waits for the slower direction of the one before; each
     arrival is decoded (`arrived`) while later transfers are on the wire."""
     rank, world = pg.rank(), pg.size()
-    receiving = [(frm, pg.recv([incoming(frm)], frm, tag)) for frm in ((rank - s) % world for s in range(1, world))]
+    senders = [(rank - s) % world for s in range(1, world)]
+    receiving = [(frm, _post(lambda frm=frm: pg.recv([incoming(frm)], frm, tag), phase)) for frm in senders]
     arrived(rank)  # the member's own piece, while the first transfer is on the wire
     for step in range(1, world):
         to = (rank + step) % world
-        sending = pg.send([outgoing(to)], to, tag)
+        sending = _post(lambda: pg.send([outgoing(to)], to, tag), phase)
         if step + 1 < world:
             outgoing((rank + step + 1) % world)  # prepare the next buffer meanwhile
         frm, work = receiving[step - 1]
@@ -94,8 +104,8 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
     right, left = (rank + 1) % world, (rank - 1) % world
     done = rank
     for step in range(1, world):
-        sending = pg.send([chunks[(rank - step + 1) % world]], right, tag)
-        receiving = pg.recv([chunks[(rank - step) % world]], left, tag)
+        sending = _post(lambda: pg.send([chunks[(rank - step + 1) % world]], right, tag), phase)
+        receiving = _post(lambda: pg.recv([chunks[(rank - step) % world]], left, tag), phase)
         arrived(done)
         _wait(receiving, phase)
         _wait(sending, phase)
@@ -119,7 +129,7 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0,
                            1.0 if contributes[rank] else 0.0, float(x.numel())])
     headers = [torch.empty(4) for _ in range(world)]
-    _wait(pg.allgather([headers], [header]), "header")
+    _wait(_post(lambda: pg.allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")

@@ -44,6 +44,9 @@ def _member(rank, world, port, size, compression, special, queue):
         queue.put((rank, digest, result.mean, result.refused, result.bytes_sent, None))
     except CollectiveError as e:
         queue.put((rank, None, None, {}, 0, (e.phase, e.blame)))
+    except BaseException as e:  # anything else is a bug: report it now rather than as a queue timeout
+        queue.put((rank, None, None, {}, 0, ("crashed", repr(e))))
+        raise
 
 
 def _lie(pg, x, codec, world, queue):
@@ -75,6 +78,8 @@ def run_members(world, size, compression="int8", special=""):
     results = sorted((queue.get(timeout=120) for _ in procs), key=lambda r: r[0])
     for p in procs:
         p.join(timeout=60)
+    crashed = [r for r in results if r[5] and r[5][0] == "crashed"]
+    assert not crashed, f"members crashed instead of raising CollectiveError: {crashed}"
     return results
 
 
