@@ -132,6 +132,20 @@ class ElasticDeviceMesh:
         dist.broadcast(buf, src=0)
         return json.loads(buf.numpy().tobytes().decode())
 
+    def gather(self, value: object) -> list:
+        """Every local rank's JSON value, in local-rank order, on every local rank."""
+        if self.local_world == 1:
+            return [value]
+        data = json.dumps(value).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.local_world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+        longest = int(max(s.item() for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.local_world)]
+        dist.all_gather(bufs, mine)
+        return [json.loads(b[:int(n.item())].numpy().tobytes().decode()) for b, n in zip(bufs, sizes)]
+
     def _leader_call(self, call) -> dict:
         answer = None
         if self.local_rank == 0:
@@ -160,11 +174,14 @@ class ElasticDeviceMesh:
             "/v1/ready", body, lambda a: a.get("status") != "wait", self.config.barrier_timeout_s))
         return StepPlan(**{k: answer[k] for k in StepPlan.__dataclass_fields__ if k in answer})
 
-    def vote(self, plan: StepPlan, ok: bool, refused: dict[int, str], blame: list[int], seconds: float) -> str:
-        """Asks the coordinator whether every member succeeded; 'apply' or 'abort', the same for all."""
+    def vote(self, plan: StepPlan, ok: bool, refused: dict[int, str], blame: list[int], seconds: float,
+             data: list[dict] | None = None) -> str:
+        """Asks the coordinator whether every member succeeded; 'apply' or 'abort', the same for all.
+        `data` is what the node's workers read this round (see coordinator/ledger.py): recorded only if
+        the step is applied with this node's contribution in the average."""
         body = {"outer_step": plan.outer_step, "attempt": plan.attempt, "ok": ok, "allreduce_s": seconds,
                 "refused": {plan.members[r]["node_id"]: why for r, why in refused.items()},
-                "blame": [plan.members[r]["node_id"] for r in blame]}
+                "blame": [plan.members[r]["node_id"] for r in blame], "data": data or []}
         answer = self._leader_call(lambda: self.client.long_poll(
             "/v1/vote", body, lambda a: "decision" in a, self.config.barrier_timeout_s))
         return answer["decision"]
@@ -172,6 +189,17 @@ class ElasticDeviceMesh:
     def commit(self, outer_step: int, model_hash: str) -> dict:
         return self._leader_call(lambda: self.client.post("/v1/commit", {"outer_step": outer_step,
                                                                          "model_hash": model_hash}))
+
+    def lease_data(self, worker: int, held: list[int]) -> dict | None:
+        """A data shard for one worker (called by that local rank itself, mid-round, without the others);
+        `held`: the shards it holds already. None when the coordinator has dropped this node: the round
+        will be discarded anyway."""
+        try:
+            return self.client.post("/v1/data/lease", {"worker": worker, "held": held})
+        except CoordinatorError as e:
+            if e.status in (401, 410):
+                return None
+            raise
 
     def rejoin(self) -> dict:
         """After the coordinator dropped this node (declared dead, e.g. after a partition)."""

@@ -139,6 +139,8 @@ class DilocoHook:
         shards = local_shards(self.model)
         step = self.outer_step + 1
         pseudo = self.outer.pseudo_gradient(shards)
+        # What every worker of this node read this round; the coordinator records it with the step.
+        data = [r for worker in self.mesh.gather(trainer.leased.report() if trainer.leased else []) for r in worker]
         if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
             pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
         while True:
@@ -152,11 +154,13 @@ class DilocoHook:
                 log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
                             self.mesh.name, e)
                 self.mesh.rejoin()
+                self._settle_data(trainer, "forget")
                 return self._catch_up(trainer, full=False)  # its own state may still be good: replay onto it
             if plan.status in ("missed", "resync"):
                 log.warning("%s: outer step %d %s; this round's work is dropped and the node catches up from peers",
                             self.mesh.name, step, "went on without this node" if plan.status == "missed" else
                             "showed this node diverged")
+                self._settle_data(trainer, "rewind")
                 return self._catch_up(trainer, full=plan.status == "resync")
             result, ok, blame = None, True, []
             try:
@@ -174,12 +178,13 @@ class DilocoHook:
             refused = result.refused if result else {}
             seconds = result.seconds if result else 0.0
             try:
-                decision = self.mesh.vote(plan, ok, refused, blame, seconds)
+                decision = self.mesh.vote(plan, ok, refused, blame, seconds, data)
             except CoordinatorError as e:
                 if e.status not in (401, 410):
                     raise
                 log.warning("%s was dropped during outer step %d (%s); joining again", self.mesh.name, step, e)
                 self.mesh.rejoin()
+                self._settle_data(trainer, "forget")
                 return self._catch_up(trainer, full=False)
             if decision == "apply" and ok:
                 break
@@ -190,7 +195,9 @@ class DilocoHook:
             log.warning("%s: outer step %d refused %s's pseudo-gradient: %s", self.mesh.name, step,
                         plan.members[rank]["name"], why)
         self.outer.step(result.mean, shards)
-        if plan.rank in result.contributors:
+        contributed = plan.rank in result.contributors
+        self._settle_data(trainer, "committed" if contributed else "rewind")
+        if contributed:
             self.tokens_contributed += trainer.tokens_seen - self._tokens_at_sync
         self._tokens_at_sync = trainer.tokens_seen
         self.outer_step = step
@@ -333,6 +340,18 @@ class DilocoHook:
         got = node_hash(self.outer.digest())
         if got != expected:
             raise StateMismatch(f"outer step {step} rebuilt from peers hashes to {got}, the run committed {expected}")
+
+    @staticmethod
+    def _settle_data(trainer, outcome: str) -> None:
+        """After a round: its reading was averaged (committed), must be read again (rewind: refused, missed),
+        or the leases are gone with the node's old membership (forget)."""
+        if trainer.leased is None:
+            return
+        if outcome == "committed":
+            trainer.leased.committed()
+            return
+        trainer.leased.rewind() if outcome == "rewind" else trainer.leased.forget()
+        trainer.restart_data()
 
     def _fault(self, step: int):
         def on_phase(phase: str) -> None:

@@ -21,9 +21,6 @@ class DilocoConfig(BaseModel):
     outlier_factor: float = Field(
         10.0, gt=1, description="A pseudo-gradient whose norm is over this × the others' median is refused."
     )
-    data_slots: int = Field(
-        8, ge=1, description="Nodes the data is split for: node i reads data slot i % data_slots."
-    )
     serve_snapshots: bool = Field(
         True, description="Serve a snapshot of every committed outer step (and the update that made it) to peers "
                           "that catch up; off, this node cannot help a joiner.")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from prime.config import JobConfig
+from prime.data.shards import data_fingerprint, make_shards
 from prime.diloco import DilocoHook, OuterOptimizer, local_shards
 from prime.trainer import Trainer
 
@@ -27,16 +28,16 @@ def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int):
 def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None) -> ElasticDeviceMesh:
     outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum)
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
-             "model_hash": node_hash(outer.digest()), "address": ""}
+             "model_hash": node_hash(outer.digest()), "address": "",
+             "data_shards": len(make_shards(trainer.train_files, config.data.parts_per_file)),
+             "data_fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
     mesh = ElasticDeviceMesh(config.mesh, token, facts)
     trainer.hooks.append(DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads",
                                     config.chaos))
     trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
-    slots, local_world = config.diloco.data_slots, dist.get_world_size()
-    slot = mesh.joined["node_index"] % slots
-    if mesh.joined["node_index"] >= slots:
-        log.warning("%s shares data slot %d with an earlier node (diloco.data_slots = %d)", mesh.name, slot, slots)
-    trainer.set_data_worker(slot * local_world + dist.get_rank(), slots * local_world)
+    # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
+    worker = dist.get_rank()
+    trainer.lease_data(lambda held: mesh.lease_data(worker, held), worker)
     trainer.prefix = f"[{mesh.name}]"
     trainer.progress.prefix = trainer.prefix
     trainer.progress.sync_every = config.diloco.inner_steps
@@ -46,6 +47,6 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
                     "on inner weights between syncs, not on the outer model", mesh.name, config.train.eval_every,
                     config.diloco.inner_steps)
     if dist.get_rank() == 0:
-        log.info("[%s] joined run %s at outer step %d (data slot %d of %d, %d local rank(s))", mesh.name,
-                 mesh.joined["run_id"], mesh.joined["committed_step"], slot, slots, local_world)
+        log.info("[%s] joined run %s at outer step %d (%d local rank(s), data shards leased from the coordinator)",
+                 mesh.name, mesh.joined["run_id"], mesh.joined["committed_step"], dist.get_world_size())
     return mesh

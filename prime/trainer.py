@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from prime.checkpoint import CheckpointStore
 from prime.config import JobConfig
+from prime.data.leased import LeasedSequenceStream
 from prime.data.loader import (BatchIterator, DataPosition, PackedSequenceStream, eval_shards,
                                train_and_eval_files, worker_shards)
+from prime.data.shards import make_shards
 from prime.data.tokenizer import load_tokenizer
 from prime.distributed import LocalGroup
 from prime.flops import peak_flops
@@ -70,6 +72,7 @@ class Trainer:
         self.train_files, self.eval_files = train_and_eval_files(config.data)
         self._batches: BatchIterator | None = None
         self.data_worker = (group.rank, group.world_size)
+        self.leased: LeasedSequenceStream | None = None
 
         self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
         self.peak = config.train.peak_tflops * 1e12 if config.train.peak_tflops else peak_flops(group.device, self.dtype)
@@ -91,12 +94,28 @@ class Trainer:
         worker_shards(self.config.data, self.train_files, worker, workers)  # refuse an impossible split now
         self.data_worker = (worker, workers)
 
+    def lease_data(self, lease, worker: int) -> LeasedSequenceStream:
+        """Reads shards leased from the coordinator instead of a fixed slice (a multi-node run): see
+        prime/data/leased.py. `lease()` returns {"shard", "pass", "cursor"} or None."""
+        if self._batches is not None:
+            raise RuntimeError("data leases must be set up before training starts")
+        self.leased = LeasedSequenceStream(make_shards(self.train_files, self.config.data.parts_per_file),
+                                           self.tokenizer, self.config.train.seq_len, self.config.data.text_field,
+                                           lease, worker)
+        return self.leased
+
+    def restart_data(self) -> None:
+        """The next batch comes from the stream's current (e.g. rewound) position."""
+        self._batches = None
+
     @property
     def batches(self) -> BatchIterator:
         if self._batches is None:
-            shards = worker_shards(self.config.data, self.train_files, *self.data_worker)
-            stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
-                                          self.config.data.text_field, self._position)
+            stream = self.leased
+            if stream is None:
+                shards = worker_shards(self.config.data, self.train_files, *self.data_worker)
+                stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
+                                              self.config.data.text_field, self._position)
             self._batches = BatchIterator(stream, self.config.train.micro_batch_size)
         return self._batches
 
@@ -117,13 +136,14 @@ class Trainer:
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
         log.info("%s resumed from %s at step %d", self.prefix, latest, self.step)
-        return DataPosition.from_dict(rank_state["data"])
+        return DataPosition.from_dict(rank_state["data"]) if rank_state.get("data") else DataPosition()
 
     def save_checkpoint(self) -> Path:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
                          "scheduler": self.scheduler.state_dict(), "config": self.config.model_dump(mode="json")}
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state,
-                                     {"data": self.batches.position.to_dict()})
+        # A multi-node run's data position lives in the coordinator's ledger, not in the node's checkpoint.
+        data = self.batches.position.to_dict() if self.leased is None else None
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, {"data": data})
         self.progress.note(f"checkpoint step {self.step} written to {path}")
         return path
 

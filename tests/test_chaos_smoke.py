@@ -63,3 +63,5 @@ def test_every_kind_of_fault_once_on_a_running_cluster(tmp_path):
     assert set(result["by_kind"]) == set(KINDS)
     assert result["survived"] == result["faults"] == len(KINDS), result
     assert result["hangs"] == 0 and result["crashed"] == 0 and result["diverged_steps"] == 0, result
+    # Kills, stalls, refusals and rejoins lost no document and counted none twice.
+    assert result["data"]["ok"] and result["data"]["documents"] > 0, result["data"]["summary"]

@@ -45,7 +45,7 @@ def test_h1_sgd_diloco_equals_data_parallel_sgd(tmp_path, corpus):
               "--train.max_steps", "3", "--train.eval_every", "0", "--checkpoint.every", "0"]
     # Two DiLoCo nodes, 8 sequences each (3 steps: SGD at lr 0.5 amplifies fp32 rounding after more), averaging every step with plain outer SGD at lr 1...
     diloco = common + ["--diloco.inner_steps", "1", "--diloco.outer_lr", "1.0", "--diloco.outer_momentum", "0",
-                       "--diloco.compression", "none", "--diloco.data_slots", "2"]
+                       "--diloco.compression", "none"]
     with LocalCluster(tmp_path / "diloco", "configs/debug.toml", diloco,
                       coordinator_args=["--lease-s", "5", "--min-wait-s", "5"]) as c:
         c.start_coordinator(start_nodes=2)

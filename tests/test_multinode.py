@@ -6,7 +6,12 @@ import signal
 import time
 
 
+from elastic_mesh.coordinator.ledger import DataLedger
+from elastic_mesh.coordinator.state import CoordinatorState
 from launch.cluster import LocalCluster
+from prime.data.audit import audit
+from prime.data.shards import make_shards
+from prime.data.tokenizer import ByteTokenizer
 
 # Short leases and deadlines so failures resolve in seconds; H=5 on the debug model.
 COORDINATOR = ["--lease-s", "3", "--heartbeat-s", "0.5", "--min-wait-s", "3", "--poll-s", "2"]
@@ -26,6 +31,20 @@ def assert_identical(c: LocalCluster, names: list[str], steps: range) -> None:
     for k in steps:
         hashes = {name: c.outer_records(name)[k]["model_hash"] for name in names}
         assert len(set(hashes.values())) == 1, f"outer step {k}: models differ {hashes}"
+
+
+def assert_exactly_once(c: LocalCluster, corpus, parts_per_file: int = 1):
+    """Every document read by a committed outer step entered exactly one (coordinator's ledger, audited
+    against the shard files by document id); no shard is still held by a node that is gone."""
+    state = CoordinatorState(c.state_dir / "coordinator.sqlite")
+    ledger = DataLedger(state.db)
+    shards = make_shards(sorted(str(p) for p in corpus.glob("train-*.jsonl")), parts_per_file)
+    report = audit(ledger.log(), shards, ByteTokenizer())
+    assert report.ok and report.documents > 0, report.summary()
+    gone = {n.node_id for n in state.nodes() if n.state != "active"}
+    held = state.db.execute("SELECT shard, holder FROM data_shards WHERE holder IS NOT NULL").fetchall()
+    assert not [h for h in held if h[1] in gone], f"shards still held by nodes that are gone: {held}"
+    return report
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -56,6 +75,7 @@ def test_two_nodes_of_two_local_ranks(tmp_path, corpus):
         c.start_node("b")
         assert c.wait_nodes(240) == {"a": 0, "b": 0}, c.log("a")[-3000:]
         assert_identical(c, ["a", "b"], range(1, 5))
+        assert_exactly_once(c, corpus, parts_per_file=2)
 
 
 def test_kill_during_inner_steps(tmp_path, corpus):
@@ -69,6 +89,7 @@ def test_kill_during_inner_steps(tmp_path, corpus):
         records = c.outer_records("node0")
         assert records[2]["members"] == 3 and records[3]["members"] == 2
         assert {n["name"]: n["state"] for n in c.status()["nodes"]}["node2"] == "dead"
+        assert_exactly_once(c, corpus)
 
 
 def test_kill_during_the_all_reduce(tmp_path, corpus):
@@ -84,6 +105,7 @@ def test_kill_during_the_all_reduce(tmp_path, corpus):
         assert "will be retried with the pseudo-gradients kept" in c.log("node0")
         steps = c.status()["steps"]
         assert [s["decision"] for s in steps if s["outer_step"] == 2][-1] == "apply"
+        assert_exactly_once(c, corpus)
 
 
 def test_non_finite_pseudo_gradient_is_refused_and_named(tmp_path, corpus):
@@ -99,6 +121,12 @@ def test_non_finite_pseudo_gradient_is_refused_and_named(tmp_path, corpus):
             assert records[3]["members"] == 3  # it contributes again once healthy
         events = " ".join(e["text"] for e in c.status()["events"])
         assert "refused node1's pseudo-gradient (non-finite values)" in events
+        # node1's refused round was read again: its shard has no committed range for outer step 2.
+        log = DataLedger(CoordinatorState(c.state_dir / "coordinator.sqlite").db).log()
+        names = {n["name"]: n for n in c.status()["nodes"]}
+        assert len({e["node_id"] for e in log if e["outer_step"] == 2}) == 2
+        assert len({e["node_id"] for e in log if e["outer_step"] == 3}) == 3, names
+        assert_exactly_once(c, corpus)
 
 
 def test_coordinator_killed_and_restarted_mid_run(tmp_path, corpus):
@@ -142,6 +170,7 @@ def test_a_node_joins_a_running_job(tmp_path, corpus):
     assert "left out late node(s) late" not in events, events
     rounds = [c.outer_records("node0")[k]["outer_s"] for k in range(2, first)]
     assert max(rounds) < 5, rounds
+    assert_exactly_once(c, corpus)
 
 
 def test_a_straggler_is_left_out_and_catches_up_by_replaying(tmp_path, corpus):
@@ -161,6 +190,7 @@ def test_a_straggler_is_left_out_and_catches_up_by_replaying(tmp_path, corpus):
     assert any(fast[k]["members"] == 2 for k in fast)  # left out, not waited for
     # A round of the fast nodes is ~0.5 s of compute; waiting is bounded by the 3 s deadline.
     assert max(fast[k]["outer_s"] for k in fast if k > 1) < 3 + 2.5
+    assert_exactly_once(c, corpus)  # the straggler's missed rounds were read again, not lost
 
 
 def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
 from elastic_mesh.coordinator.telemetry import TelemetryLog
 from elastic_mesh.token import TokenError, verify_token
@@ -75,6 +76,7 @@ class Coordinator:
         self.last_ready_at: dict[str, float] = {}
         self.started = time.monotonic()
         self.telemetry = TelemetryLog(state)
+        self.ledger = DataLedger(state.db)
         with self.state.transaction():
             self.state.set_meta("run_id", run_id)
             if self.state.get_meta("snapshot_key") is None:
@@ -105,6 +107,7 @@ class Coordinator:
         model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256] or peer
         host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
         snapshot = [f"{host}:{int(p)}" for p in list(body.get("snapshot_ports") or [])[:64]]
+        data_shards, data_id = int(body.get("data_shards", 0)), str(body.get("data_fingerprint", ""))[:64]
         with self.lock, self.state.transaction():
             run_fp = self.state.get_meta("fingerprint")
             run_procs = self.state.get_meta("procs_per_node")
@@ -114,6 +117,14 @@ class Coordinator:
             if run_procs is not None and int(run_procs) != procs:
                 raise Refused(409, f"this node runs {procs} processes but the run's nodes run {run_procs} "
                                    f"(global groups pair shards by local rank); use --nproc-per-node {run_procs}")
+            run_data = self.state.get_meta("data_fingerprint")
+            if data_shards and run_data is not None and (run_data != data_id or self.ledger.shards != data_shards):
+                raise Refused(409, f"this node's data ({data_shards} shards, fingerprint {data_id}) differs from the "
+                                   f"run's ({self.ledger.shards} shards, fingerprint {run_data}); give it the same "
+                                   "files in the same order and the same data.parts_per_file")
+            if data_shards and run_data is None:
+                self.state.set_meta("data_fingerprint", data_id)
+                self.ledger.configure(data_shards)
             committed = self.state.committed_step()
             initial = self.state.get_meta("initial_hash")
             if committed == 0 and initial is not None and initial != model_hash:
@@ -176,6 +187,7 @@ class Coordinator:
             node.state = "left"
             self.state.put_node(node)
             self.leases.pop(node.node_id, None)
+            self.ledger.release(node.node_id)
             self.state.event(f"{node.name} left")
             self.changed.notify_all()
         log.info("%s left", node.name)
@@ -191,6 +203,7 @@ class Coordinator:
                 with self.state.transaction():
                     node.state = "dead"
                     self.state.put_node(node)
+                    self.ledger.release(node.node_id)  # its uncommitted reading goes back to the pool
                     self.state.event(f"{node.name} declared dead (no heartbeat for {self.config.lease_s:g} s)")
                 log.warning("%s declared dead: no heartbeat for %.1f s", node.name, self.config.lease_s)
         if expired:
@@ -286,9 +299,19 @@ class Coordinator:
             raise Refused(404, f"outer step {step} attempt {attempt} was never decided")
         if decided.decision != "open":
             return {"decision": decided.decision}
+        try:
+            data = parse_report(body.get("data"), int(self.state.get_meta("procs_per_node", "1")))
+            wrong = self.ledger.check(node.node_id, data)
+        except LedgerError as e:
+            wrong = str(e)
+        if wrong:
+            # Honest nodes only report what they leased; this is a bug or a forgery, never averaged data lost
+            # silently: the node's vote is refused, the attempt aborts when its lease runs out.
+            raise Refused(400, f"data report refused: {wrong}")
         votes = self.votes[(step, attempt)]
         votes[node.node_id] = {"ok": bool(body.get("ok")), "refused": dict(body.get("refused") or {}),
-                               "blame": list(body.get("blame") or []), "allreduce_s": body.get("allreduce_s")}
+                               "blame": list(body.get("blame") or []), "allreduce_s": body.get("allreduce_s"),
+                               "data": data}
         self._expire_leases()
         members = [m["node_id"] for m in decided.members]
         failed = [nid for nid, v in votes.items() if not v["ok"]]
@@ -319,6 +342,7 @@ class Coordinator:
                 node.state = "evicted"
                 self.state.put_node(node)
                 self.leases.pop(nid, None)
+                self.ledger.release(nid)
                 self.state.event(f"outer step {step.outer_step}: evicted {names[nid]} (sent invalid data)")
             if decision == "apply":
                 for m in step.members:  # every member applies the mean, refused or not
@@ -326,6 +350,8 @@ class Coordinator:
                     node.outer_step = step.outer_step
                     if m["contributes"] and m["node_id"] not in refused:
                         node.contributions += 1
+                        # Its data entered this average: the cursors move in the same transaction.
+                        self.ledger.commit(step.outer_step, node.node_id, votes.get(node.node_id, {}).get("data", []))
                     self.state.put_node(node)
             else:
                 failed = [names[n] for n, v in votes.items() if not v["ok"]]
@@ -390,6 +416,22 @@ class Coordinator:
                 if any(m["node_id"] not in self.leases and m["node_id"] not in votes for m in step.members):
                     self._decide(step, "abort", votes)
 
+    def lease_data(self, node: Node, body: dict) -> dict:
+        """A free data shard for one worker (local rank) of `node`, with the cursor to read it from."""
+        worker, held = int(body["worker"]), [int(s) for s in list(body.get("held") or [])[:4096]]
+        procs = int(self.state.get_meta("procs_per_node", "1"))
+        if not 0 <= worker < procs:
+            raise Refused(400, f"worker {worker} is not a local rank of a {procs}-process node")
+        with self.lock, self.state.transaction():
+            if not self.ledger.shards:
+                raise Refused(409, "this run has no data ledger: its nodes joined without data shards")
+            try:
+                lease = self.ledger.lease(node.node_id, worker, held)
+            except LedgerError as e:
+                raise Refused(409, str(e)) from None
+        log.debug("%s worker %d leased data shard %d (pass %d)", node.name, worker, lease["shard"], lease["pass"])
+        return lease
+
     def epoch_is_dead(self, epoch: int) -> bool:
         """True once the newest attempt of the epoch aborted: its rendezvous will never complete."""
         return self.state.epoch_decision(epoch) == "abort"
@@ -423,6 +465,7 @@ class Coordinator:
                 "epoch": self.state.max_epoch(),
                 "committed_step": self.state.committed_step(),
                 "deadline_s": round(self.deadline_s(), 2),
+                "data": self.ledger.summary(),
                 "nodes": [{"name": n.name, "node_index": n.node_index, "state": n.state,
                            "alive": n.node_id in self.leases, "address": n.address, "joined_at": n.joined_at,
                            "outer_step": n.outer_step, "contributions": n.contributions, "refused": n.refused,

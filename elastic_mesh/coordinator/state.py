@@ -1,4 +1,5 @@
-"""The coordinator's durable state in SQLite: run, nodes, outer-step decisions, rendezvous entries, events.
+"""The coordinator's durable state in SQLite: run, nodes, outer-step decisions, rendezvous entries, events,
+the data ledger (see ledger.py) and the dashboard's telemetry.
 
 Every method is one transaction. Nothing here knows about time-outs or leases; those live in memory.
 """
@@ -26,6 +27,11 @@ CREATE TABLE IF NOT EXISTS commits (
     outer_step INTEGER NOT NULL, node_id TEXT NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (outer_step, node_id));
 CREATE TABLE IF NOT EXISTS store (key TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS data_shards (shard INTEGER PRIMARY KEY, pass INTEGER NOT NULL, cursor TEXT NOT NULL,
+    holder TEXT, worker INTEGER);
+CREATE TABLE IF NOT EXISTS data_log (id INTEGER PRIMARY KEY AUTOINCREMENT, outer_step INTEGER NOT NULL,
+    node_id TEXT NOT NULL, worker INTEGER NOT NULL, shard INTEGER NOT NULL, pass INTEGER NOT NULL, start TEXT NOT NULL,
+    end TEXT NOT NULL, finished INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS telemetry (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, time REAL NOT NULL,
     record TEXT NOT NULL);
 """

@@ -6,8 +6,9 @@ lease: declared dead, must rejoin by itself), a slowed node (50% duty for 10 s),
 and restart, a NaN pseudo-gradient, hostile bytes on every listening port, a forged token, and with
 --wan a partition (the node's link down for longer than the lease, then healed). Killed nodes are
 restarted and rejoin. Prints, per kind and in total: faults injected and survived, outer steps
-committed, replicas that diverged, hangs, nodes that crashed on their own, and the longest time from
-a fault to the next committed outer step.
+committed, replicas that diverged, hangs, nodes that crashed on their own, the longest time from
+a fault to the next committed outer step, and data lost or duplicated (prime.data.audit over the
+coordinator's ledger: every document counted by id).
 
     python launch/bench/chaos_soak.py [--faults 100] [--nodes 3] [--wan lan] [--seed 0]
 """
@@ -210,6 +211,7 @@ def soak(args) -> dict:
             if "outer_step" in record:
                 hashes[record["outer_step"]].add(record["model_hash"])
     diverged = sorted(s for s, h in hashes.items() if len(h) > 1)
+    data = audit_data(cluster, corpus)
     recoveries = [r for rs in results.values() for r in rs if r is not None]
     return {"faults": sum(len(v) for v in results.values()),
             "survived": len(recoveries), "hangs": sum(r is None for rs in results.values() for r in rs),
@@ -222,7 +224,23 @@ def soak(args) -> dict:
                             "longest_s": round(max([r for r in v if r is not None], default=0), 2)}
                         for k, v in sorted(results.items())},
             "minutes": round((time.monotonic() - started) / 60, 1), "run_dir": str(run_dir),
-            "wan": args.wan or "none (loopback)"}
+            "wan": args.wan or "none (loopback)", "data": data}
+
+
+def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
+    """Every document read by a committed outer step, counted by id against the shard files."""
+    from elastic_mesh.coordinator.ledger import DataLedger
+    from elastic_mesh.coordinator.state import CoordinatorState
+    from prime.data.audit import audit
+    from prime.data.shards import make_shards
+    from prime.data.tokenizer import ByteTokenizer
+
+    shards = make_shards(sorted(str(p) for p in corpus.glob("train-*.jsonl")), 1)
+    report = audit(DataLedger(CoordinatorState(cluster.state_dir / "coordinator.sqlite").db).log(), shards,
+                   ByteTokenizer())
+    return {"ok": report.ok, "documents": report.documents, "tokens": report.tokens, "ranges": report.ranges,
+            "duplicated": len(report.duplicated), "incomplete": len(report.partial),
+            "gaps_or_overlaps": len(report.chain_errors), "summary": report.summary()}
 
 
 def main() -> int:
@@ -251,11 +269,16 @@ def main() -> int:
           f"next commit {result['longest_fault_to_commit_s']} s (median {result['median_fault_to_commit_s']} s)")
     print(f"back to all {args.nodes} nodes in sync before the next fault: longest wait "
           f"{result['longest_back_to_full_strength_s']} s; not within {args.hang_s:.0f} s: {result['slow_recoveries']}")
-    print("data lost or duplicated: not measured; nodes read fixed data slots until shard leases (issue 4)")
+    data = result["data"]
+    print(f"data: {data['documents']} document passes ({data['tokens']} tokens) in {data['ranges']} committed ranges; "
+          f"duplicated {data['duplicated']}, lost (gaps or incomplete documents) "
+          f"{data['gaps_or_overlaps'] + data['incomplete']}")
+    if not data["ok"]:
+        print(data["summary"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     ok = result["hangs"] == 0 and result["diverged_steps"] == 0 and result["crashed"] == 0 and \
-        result["slow_recoveries"] == 0
+        result["slow_recoveries"] == 0 and result["data"]["ok"]
     return 0 if ok else 1
 
 

@@ -60,7 +60,7 @@ def main() -> int:
     final = f"step_{args.steps:08d}"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        diloco = common + ["--diloco.inner_steps", str(args.inner_steps), "--diloco.data_slots", str(args.nodes)]
+        diloco = common + ["--diloco.inner_steps", str(args.inner_steps)]
         with LocalCluster(tmp / "diloco", args.config, diloco, coordinator_args=["--min-wait-s", "60"]) as c:
             c.start_coordinator(start_nodes=args.nodes)
             for i in range(args.nodes):

@@ -67,35 +67,20 @@ class PackedSequenceStream:
         self.position = position or DataPosition()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        window = self.seq_len + 1
         empty_shards = 0
         while True:
             pos = self.position
-            buf: list[int] = []
-            head = 0  # buf[head:] is what has not been consumed yet
-            spans: deque[list[int]] = deque()  # [document, first token of it in buf, tokens] over buf[head:]
             produced = False
-            for doc_index, text in iter_documents(self.shards[pos.shard], self.text_field, start=pos.document):
-                tokens = self.tokenizer.encode(text)
-                tokens.append(self.tokenizer.eos_id)
-                skip = pos.offset if doc_index == pos.document else 0
-                spans.append([doc_index, skip, len(tokens) - skip])
-                buf.extend(tokens[skip:])
-                while len(buf) - head >= window:
-                    sample = torch.tensor(buf[head:head + window], dtype=torch.long)
-                    head += self.seq_len
-                    _advance(spans, self.seq_len)
-                    if head > 1 << 16:
-                        buf, head = buf[head:], 0
-                    first = spans[0]
-                    self.position = DataPosition(pos.epoch, pos.shard, first[0], first[1])
-                    produced = True
-                    yield sample
+            for sample, (document, offset) in pack_shard(self.shards[pos.shard], self.tokenizer, self.seq_len,
+                                                         self.text_field, pos.document, pos.offset):
+                self.position = DataPosition(pos.epoch, pos.shard, document, offset)
+                produced = True
+                yield sample
             empty_shards = 0 if produced else empty_shards + 1
             if empty_shards >= len(self.shards):
                 raise ValueError(
                     f"no shard of this worker ({', '.join(s.name for s in self.shards[:4])}...) holds "
-                    f"{window} tokens; give more text or a smaller train.seq_len"
+                    f"{self.seq_len + 1} tokens; give more text or a smaller train.seq_len"
                 )
             shard, epoch = pos.shard + 1, pos.epoch
             if shard == len(self.shards):
@@ -103,6 +88,30 @@ class PackedSequenceStream:
                     return
                 shard, epoch = 0, epoch + 1
             self.position = DataPosition(epoch, shard, 0, 0)
+
+
+def pack_shard(shard: Shard, tokenizer: Tokenizer, seq_len: int, text_field: str, document: int = 0,
+               offset: int = 0) -> Iterator[tuple[torch.Tensor, tuple[int, int]]]:
+    """Windows of seq_len + 1 tokens of one shard from (document, token offset) on, each with the
+    position right after it (the first token not consumed yet). Tokens left at the shard's end that do
+    not fill a window are dropped."""
+    window = seq_len + 1
+    buf: list[int] = []
+    head = 0  # buf[head:] is what has not been consumed yet
+    spans: deque[list[int]] = deque()  # [document, first token of it in buf, tokens] over buf[head:]
+    for doc_index, text in iter_documents(shard, text_field, start=document):
+        tokens = tokenizer.encode(text)
+        tokens.append(tokenizer.eos_id)
+        skip = offset if doc_index == document else 0
+        spans.append([doc_index, skip, len(tokens) - skip])
+        buf.extend(tokens[skip:])
+        while len(buf) - head >= window:
+            sample = torch.tensor(buf[head:head + window], dtype=torch.long)
+            head += seq_len
+            _advance(spans, seq_len)
+            if head > 1 << 16:
+                buf, head = buf[head:], 0
+            yield sample, (spans[0][0], spans[0][1])
 
 
 def _advance(spans: deque[list[int]], n: int) -> None:
@@ -175,7 +184,7 @@ class BatchIterator:
 
     @property
     def position(self) -> DataPosition:
-        return self.stream.position
+        return self.stream.position  # a PackedSequenceStream's; leased streams report to the coordinator
 
     def __iter__(self) -> "BatchIterator":
         return self

@@ -8,6 +8,7 @@ Files are read with `datasets` in streaming mode, so nothing is materialised on 
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,16 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     if unknown:
         raise ValueError(f"{what}: unsupported file type {unknown[0]!r}; use one of {', '.join(sorted(_FORMATS))}")
     return files
+
+
+def data_fingerprint(files: list[str], parts_per_file: int) -> str:
+    """Same on every node that reads the same files cut the same way (paths may differ between machines)."""
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = Path(f).stat().st_size if Path(f).is_file() else -1
+        h.update(f"{Path(f).name}:{size};".encode())
+    h.update(str(parts_per_file).encode())
+    return h.hexdigest()
 
 
 def make_shards(files: list[str], parts_per_file: int) -> list[Shard]:

@@ -1,0 +1,145 @@
+"""Proves (or disproves) exactly-once data: reads the coordinator's ledger of committed ranges and
+counts, by document id, how often each document's tokens entered a committed outer step.
+
+    python -m prime.data.audit STATE_DIR/coordinator.sqlite --config configs/debug.toml [--set data.path=...]
+
+For every shard and pass the committed ranges must chain from the top of the shard without gap or
+overlap; every document whose first token lies in the consumed part must have entered exactly one
+committed range per pass, with all of its tokens. Tokens after the last full window of a shard are
+dropped by design (fewer than seq_len + 1 per shard and pass) and counted separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prime.data.shards import Shard, iter_records
+from prime.data.tokenizer import Tokenizer
+
+Position = tuple[int, int]
+
+
+@dataclass
+class AuditReport:
+    ranges: int = 0
+    shard_passes: int = 0
+    finished_passes: int = 0
+    documents: int = 0  # (document, pass) pairs that entered a committed step
+    tokens: int = 0
+    duplicated: list[str] = field(default_factory=list)  # documents that entered twice in one pass
+    partial: list[str] = field(default_factory=list)  # documents some of whose consumed tokens are missing
+    chain_errors: list[str] = field(default_factory=list)  # gaps and overlaps between committed ranges
+    tail_tokens_dropped: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.duplicated or self.partial or self.chain_errors)
+
+    def summary(self) -> str:
+        verdict = "exactly once" if self.ok else "NOT exactly once"
+        lines = [f"data audit: {verdict}: {self.documents} document passes, {self.tokens} tokens in {self.ranges} "
+                 f"committed ranges over {self.shard_passes} shard passes ({self.finished_passes} read to the end)",
+                 f"  duplicated: {len(self.duplicated)}, incomplete: {len(self.partial)}, gaps/overlaps: "
+                 f"{len(self.chain_errors)}, tokens dropped at shard ends (by design): {self.tail_tokens_dropped}"]
+        for kind, items in (("duplicated", self.duplicated), ("incomplete", self.partial),
+                            ("gap/overlap", self.chain_errors)):
+            lines += [f"  {kind}: {item}" for item in items[:10]]
+        return "\n".join(lines)
+
+
+def _position(cursor: list[int]) -> Position:
+    return (0, 0) if not cursor else (int(cursor[0]), int(cursor[1]))
+
+
+def audit(log: list[dict], shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
+    """`log`: the ledger's committed ranges (DataLedger.log()); `shards`: the run's shards, in order."""
+    report = AuditReport(ranges=len(log))
+    by_pass: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for entry in log:
+        by_pass[(entry["shard"], entry["pass"])].append(entry)
+    seen: dict[tuple[str, int], int] = defaultdict(int)  # (document id, pass) -> committed ranges it entered
+    for (shard, pass_), entries in sorted(by_pass.items()):
+        report.shard_passes += 1
+        entries.sort(key=lambda e: e["outer_step"])
+        expected: Position = (0, 0)
+        for e in entries:
+            if _position(e["start"]) != expected:
+                report.chain_errors.append(f"shard {shard} pass {pass_}: outer step {e['outer_step']} read from "
+                                           f"{_position(e['start'])}, the previous range ended at {expected}")
+            expected = _position(e["end"])
+        finished = entries[-1]["finished"]
+        report.finished_passes += finished
+        if any(e["finished"] for e in entries[:-1]):
+            report.chain_errors.append(f"shard {shard} pass {pass_}: read again after it was finished")
+        bounds = [(_position(e["start"]), _position(e["end"])) for e in entries]
+        _count_documents(shards[shard], tokenizer, text_field, pass_, bounds, finished, seen, report)
+    report.duplicated += [f"{doc} (pass {p}): {n} times" for (doc, p), n in seen.items() if n > 1]
+    report.documents = len(seen)
+    return report
+
+
+def _count_documents(shard: Shard, tokenizer: Tokenizer, text_field: str, pass_: int,
+                     bounds: list[tuple[Position, Position]], finished: bool,
+                     seen: dict[tuple[str, int], int], report: AuditReport) -> None:
+    """Walks the shard's documents once and charges each committed range's tokens to them."""
+    end_of_reading = bounds[-1][1]
+    for index, text, doc_id in iter_records(shard, text_field):
+        if (index, 0) >= end_of_reading:
+            if finished:
+                report.tail_tokens_dropped += len(tokenizer.encode(text)) + 1
+                continue
+            break
+        length = len(tokenizer.encode(text)) + 1  # the EOS that follows every document
+        covered = 0
+        for start, end in bounds:
+            lo = start[1] if start[0] == index else (0 if start[0] < index else length)
+            hi = end[1] if end[0] == index else (length if end[0] > index else 0)
+            if hi > lo:
+                covered += hi - lo
+                if lo == 0:
+                    seen[(doc_id, pass_)] += 1
+        report.tokens += covered
+        last = end_of_reading[0] == index  # the document the reading stopped in
+        if last and finished:
+            report.tail_tokens_dropped += length - covered
+        elif covered != length and not last:
+            report.partial.append(f"{doc_id} (pass {pass_}): {covered} of {length} tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Check that every document of a multi-node run entered exactly one committed outer step "
+                    "per pass (from the coordinator's data ledger).",
+        epilog="example: python -m prime.data.audit runs/x/coordinator/coordinator.sqlite --config configs/debug.toml")
+    parser.add_argument("state", type=Path, help="the coordinator's coordinator.sqlite")
+    parser.add_argument("--config", default="configs/debug.toml", help="the run's config (for its data settings)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. data.path=/data/corpus (repeatable)")
+    args = parser.parse_args(argv)
+    if not args.state.is_file():
+        parser.error(f"{args.state} does not exist; give the coordinator's state file (STATE_DIR/coordinator.sqlite)")
+    from elastic_mesh.coordinator.ledger import DataLedger
+    from elastic_mesh.coordinator.state import CoordinatorState
+    from prime.config import load_config
+    from prime.data.loader import train_and_eval_files
+    from prime.data.shards import make_shards
+    from prime.data.tokenizer import load_tokenizer
+
+    bad = [pair for pair in args.set if "=" not in pair]
+    if bad:
+        parser.error(f"--set {bad[0]!r} needs KEY=VALUE, e.g. data.path=/data/corpus")
+    config = load_config(args.config, dict(pair.split("=", 1) for pair in args.set))
+    files, _ = train_and_eval_files(config.data)
+    shards = make_shards(files, config.data.parts_per_file)
+    log = DataLedger(CoordinatorState(args.state).db).log()
+    report = audit(log, shards, load_tokenizer(config.data.tokenizer), config.data.text_field)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

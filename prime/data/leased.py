@@ -1,0 +1,111 @@
+"""A worker's token stream in a multi-node run: shards leased from the coordinator, read exactly once.
+
+The worker reads one leased shard from its committed cursor (document, token offset); when the shard
+runs out it leases another. What it read since the last outer step is reported with its vote; the
+coordinator moves the cursors only if the step averaged this worker's pseudo-gradient. If it did not
+(the node was refused, missed the step, or was dropped), the worker rewinds to the committed cursors
+and reads the same tokens again, so nothing is lost and nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from prime.data.loader import pack_shard
+from prime.data.shards import Shard
+from prime.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeldShard:
+    shard: int
+    pass_: int
+    start: tuple[int, int]  # committed cursor: where this round's reading began
+    end: tuple[int, int]  # the first token not consumed yet
+    finished: bool = False  # read to its end in this round (the next pass is someone's, after the commit)
+
+    def report(self, worker: int) -> dict:
+        return {"worker": worker, "shard": self.shard, "pass": self.pass_, "start": _cursor(self.start),
+                "end": _cursor(self.end), "finished": self.finished}
+
+
+def _cursor(position: tuple[int, int]) -> list[int]:
+    return [] if position == (0, 0) else list(position)
+
+
+def _position(cursor: list[int]) -> tuple[int, int]:
+    if not cursor:
+        return 0, 0
+    if len(cursor) != 2:
+        raise ValueError(f"a data cursor is [document, token offset], got {cursor}")
+    return int(cursor[0]), int(cursor[1])
+
+
+class LeasedSequenceStream:
+    """Yields windows of seq_len + 1 tokens from leased shards; `lease()` asks the coordinator for one
+    ({"shard", "pass", "cursor"}, or None when the coordinator dropped this node) given the shards the
+    worker holds already."""
+
+    def __init__(self, shards: list[Shard], tokenizer: Tokenizer, seq_len: int, text_field: str,
+                 lease: Callable[[list[int]], dict | None], worker: int) -> None:
+        self.shards, self.tokenizer, self.seq_len, self.text_field = shards, tokenizer, seq_len, text_field
+        self.lease, self.worker = lease, worker
+        self.held: list[HeldShard] = []  # in reading order; all but the last are finished
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            current = next((h for h in self.held if not h.finished), None)
+            if current is None:
+                current = self._new_lease()
+                self.held.append(current)
+            for sample, position in pack_shard(self.shards[current.shard], self.tokenizer, self.seq_len,
+                                               self.text_field, *current.end):
+                current.end = position
+                yield sample
+            current.finished = True
+
+    def _new_lease(self) -> HeldShard:
+        answer = self.lease([h.shard for h in self.held if h.pass_ >= 0])
+        if answer is None:
+            # The coordinator dropped this node (e.g. after a partition): whatever it reads until the
+            # round ends is thrown away when it rejoins. Re-read a shard it knows, never reported.
+            log.warning("worker %d got no data lease (this node was dropped); this round's work will be discarded",
+                        self.worker)
+            known = self.held[-1].shard if self.held else 0
+            return HeldShard(known, -1, (0, 0), (0, 0))
+        shard = int(answer["shard"])
+        if not 0 <= shard < len(self.shards):
+            raise ValueError(f"the coordinator leased data shard {shard} but this node has {len(self.shards)}; "
+                             "every node must read the same files with the same data.parts_per_file")
+        position = _position(answer.get("cursor") or [])
+        log.debug("worker %d leased shard %s (pass %d) at %s", self.worker, self.shards[shard].name, answer["pass"],
+                  position)
+        return HeldShard(shard, int(answer["pass"]), position, position)
+
+    def report(self) -> list[dict]:
+        """What was read since the last commit (the vote carries it to the coordinator)."""
+        if any(h.pass_ < 0 for h in self.held):
+            raise RuntimeError("this round read unleased data (the node was dropped); it cannot be committed")
+        return [h.report(self.worker) for h in self.held if h.finished or h.end != h.start]
+
+    def committed(self) -> None:
+        """The step averaged this worker's reading: cursors move on, finished shards go back to the pool.
+        In place: a running iterator goes on with the shard it is reading, without re-reading the file."""
+        self.held[:] = [h for h in self.held if not h.finished]
+        for h in self.held:
+            h.start = h.end
+
+    def rewind(self) -> None:
+        """The step did not average this worker's reading: read the same tokens again (the caller starts a
+        new iterator)."""
+        self.held = [HeldShard(h.shard, h.pass_, h.start, h.start) for h in self.held if h.pass_ >= 0]
+
+    def forget(self) -> None:
+        """The coordinator dropped this node: its leases went back to the pool; lease anew."""
+        self.held = []
