@@ -50,7 +50,9 @@ class CheckpointStore:
         return complete[-1] if complete else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict, rank_state: dict) -> Path:
+             trainer_state: dict, rank_state: dict, rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """rank_tensors: state of this rank that is not the model's or the optimizer's (DiLoCo's outer
+        optimizer), stored beside them and read back with load_rank_tensors."""
         final = self.path_for(step)
         staging = self.root / f".{final.name}.tmp"
         if self.rank == 0:
@@ -60,6 +62,8 @@ class CheckpointStore:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
         (staging / f"rank{self.rank:04d}.json").write_text(json.dumps(rank_state))
+        if rank_tensors:
+            torch.save(rank_tensors, staging / f"rank{self.rank:04d}.tensors.pt")
         dist.barrier()
         if self.rank == 0:
             (staging / "trainer.json").write_text(json.dumps({**trainer_state, "world_size": self.world_size}))
@@ -87,6 +91,12 @@ class CheckpointStore:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_state = json.loads((path / f"rank{self.rank:04d}.json").read_text())
         return trainer_state, rank_state
+
+    def load_rank_tensors(self, path: Path) -> dict[str, torch.Tensor] | None:
+        file = Path(path) / f"rank{self.rank:04d}.tensors.pt"
+        if not file.exists():
+            return None
+        return torch.load(file, weights_only=True)  # tensors only: nothing in the file is executed
 
     @staticmethod
     def load_model(path: Path, model: torch.nn.Module) -> None:

@@ -108,8 +108,18 @@ class DilocoHook:
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
 
     def on_start(self, trainer) -> None:
-        if self.mesh.joined["committed_step"] > 0:  # a running job: this node's initial weights are stale
-            trainer.metrics.write(self._catch_up(trainer, full=True))
+        committed, restored = self.mesh.joined["committed_step"], self.outer_step
+        if restored and restored == committed:  # resumed from a checkpoint of the run's newest step
+            self._publish(restored, None)  # serve it: the other resumed nodes may hold older checkpoints
+            trainer.progress.note(f"resumed at outer step {restored} (the run's newest), hash "
+                                  f"{node_hash(self.outer.digest())}")
+        elif committed > 0:  # a running job: this node's weights are stale (initial, or an older checkpoint)
+            trainer.metrics.write(self._catch_up(trainer, full=not restored))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer."""
+        self._wait_for_publisher()
+        return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(self.outer_step)}
 
     def on_end(self, trainer) -> None:
         """Keeps serving for a while after the last step, so a node still catching up can finish too."""
@@ -230,6 +240,9 @@ class DilocoHook:
         if not self.config.serve_snapshots:
             return
         state = self.outer.state_tensor()
+        if result is None:  # resumed from a checkpoint: the state, without the update that made it
+            self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
+            return
         if result.wire is not None:
             update = {"wire": result.wire}
             meta = {"codec": self.codec.name, "chunk": result.chunk, "total": result.mean.numel()}
@@ -286,7 +299,9 @@ class DilocoHook:
                     full = False
                 return fetched, self._replay(sources)
             except (StateMismatch, SnapshotError) as e:
-                full = full or isinstance(e, StateMismatch)  # a wrong state: take a whole snapshot next
+                # A wrong state, or updates that stay unavailable (the newest one is usually only moments
+                # from being published; peers resumed from checkpoints keep none): a whole snapshot next.
+                full = full or isinstance(e, StateMismatch) or attempt >= 3
                 if time.monotonic() > give_up:
                     raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
                                         f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None

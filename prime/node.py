@@ -25,15 +25,39 @@ def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int):
     return publish
 
 
+def _restore_outer(trainer: Trainer, outer: OuterOptimizer, inner_steps: int) -> int:
+    """The outer step a resumed node's checkpoint holds (0 when it did not resume), its outer state loaded."""
+    if trainer.restored is None:
+        return 0
+    saved = trainer.checkpoints.load_rank_tensors(trainer.restored)
+    if saved is None or "diloco_state" not in saved:
+        raise ValueError(f"{trainer.restored} holds no DiLoCo outer state (written by a one-node run?); resume a "
+                         "multi-node node from a checkpoint its own multi-node run wrote")
+    step = int(saved["diloco_outer_step"])
+    if trainer.step != step * inner_steps:
+        raise ValueError(f"{trainer.restored} is at inner step {trainer.step}, not at the end of outer step {step}; "
+                         "it cannot be resumed exactly")
+    outer.load_state_tensor(saved["diloco_state"])
+    return step
+
+
 def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None) -> ElasticDeviceMesh:
+    H = config.diloco.inner_steps
+    if config.checkpoint.every % H:
+        raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
+                         "multi-node node can only be resumed from the end of an outer step")
     outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum)
+    restored_step = _restore_outer(trainer, outer, H)
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
-             "model_hash": node_hash(outer.digest()), "address": "",
+             "model_hash": node_hash(outer.digest()), "address": "", "restored_step": restored_step,
              "data_shards": len(make_shards(trainer.train_files, config.data.parts_per_file)),
              "data_fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
     mesh = ElasticDeviceMesh(config.mesh, token, facts)
-    trainer.hooks.append(DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads",
-                                    config.chaos))
+    hook = DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads", config.chaos)
+    hook.outer_step = restored_step
+    trainer.hooks.append(hook)
+    trainer.checkpoint_tensors.append(hook.checkpoint_tensors)
+    trainer.checkpoint_multiple = H
     trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     worker = dist.get_rank()

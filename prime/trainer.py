@@ -67,6 +67,10 @@ class Trainer:
         self.checkpoints = CheckpointStore(Path(config.checkpoint.dir or self.run_dir / "checkpoints"),
                                            config.checkpoint.keep, group.rank, group.world_size)
         self.step, self.tokens_seen, self._position = 0, 0, DataPosition()
+        self.restored: Path | None = None  # the checkpoint this run resumed from
+        # Hooks add state of their own to every checkpoint (name -> tensor), e.g. DiLoCo's outer optimizer.
+        self.checkpoint_tensors: list = []
+        self.checkpoint_multiple = 1  # checkpoints only at steps that are multiples (DiLoCo: outer-step ends)
         if resume:
             self._position = self._restore()
         self.train_files, self.eval_files = train_and_eval_files(config.data)
@@ -135,6 +139,7 @@ class Trainer:
         trainer_state, rank_state = self.checkpoints.load(latest, self.model, self.optimizer)
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self.restored = latest
         log.info("%s resumed from %s at step %d", self.prefix, latest, self.step)
         return DataPosition.from_dict(rank_state["data"]) if rank_state.get("data") else DataPosition()
 
@@ -143,7 +148,8 @@ class Trainer:
                          "scheduler": self.scheduler.state_dict(), "config": self.config.model_dump(mode="json")}
         # A multi-node run's data position lives in the coordinator's ledger, not in the node's checkpoint.
         data = self.batches.position.to_dict() if self.leased is None else None
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, {"data": data})
+        tensors = {k: v for provide in self.checkpoint_tensors for k, v in provide().items()}
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, {"data": data}, tensors)
         self.progress.note(f"checkpoint step {self.step} written to {path}")
         return path
 
@@ -233,7 +239,7 @@ class Trainer:
                 self.metrics.write({"step": self.step, "eval_loss": record["eval_loss"], "tokens": self.tokens_seen})
                 self.progress.note(f"step {self.step} eval_loss {record['eval_loss']:.4f}")
             self.metrics.write({k: v for k, v in record.items() if k != "eval_loss"})
-            if (every and self.step % every == 0) or last:
+            if ((every and self.step % every == 0) or last) and self.step % self.checkpoint_multiple == 0:
                 self.save_checkpoint()
         for hook in self.hooks:
             hook.on_end(self)

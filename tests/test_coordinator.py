@@ -68,6 +68,11 @@ def test_incompatible_nodes_are_refused_with_the_reason(coordinator, tmp_path):
         joined(coordinator, tmp_path, "c", procs_per_node=2)
     with pytest.raises(CoordinatorError, match="initial weights differ"):
         joined(coordinator, tmp_path, "d", model_hash="other")
+    with pytest.raises(CoordinatorError, match="checkpoint is of outer step 3, which this run never committed"):
+        joined(coordinator, tmp_path, "e", restored_step=3)
+    joined(coordinator, tmp_path, "f", data_shards=4, data_fingerprint="x")  # the first with data sets the run's
+    with pytest.raises(CoordinatorError, match="data .8 shards, fingerprint x. differs from the run's .4 shards"):
+        joined(coordinator, tmp_path, "g", data_shards=8, data_fingerprint="x")
 
 
 def test_unauthenticated_requests_are_refused(coordinator, tmp_path):

@@ -137,3 +137,21 @@ def test_the_ledger_refuses_reports_that_do_not_match_it(tmp_path, shard_files):
     with state.transaction():
         assert ledger.release("a") == 1
         assert ledger.lease("c", 0, [])["shard"] == first["shard"]
+
+
+def test_roll_back_restores_the_cursors_of_an_earlier_step(tmp_path, shard_files):
+    shards = make_shards(shard_files, parts_per_file=1)
+    state, ledger = fresh_ledger(tmp_path, len(shards))
+    w = Worker(ledger, state, "a", shards)
+    snapshots = {}
+    for step in range(1, 40):
+        for _ in range(4):
+            w.draw()
+        w.commit(step)
+        snapshots[step] = state.db.execute("SELECT shard, pass, cursor FROM data_shards ORDER BY shard").fetchall()
+    assert ledger.summary()["max_pass"] >= 1  # some shard was read to its end and leased again
+    for step in (30, 12, 3):
+        with state.transaction():
+            ledger.roll_back(step)
+        assert state.db.execute("SELECT shard, pass, cursor FROM data_shards ORDER BY shard").fetchall() == snapshots[step]
+        assert max(e["outer_step"] for e in ledger.log()) == step and ledger.summary()["leased"] == 0

@@ -207,3 +207,50 @@ def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):
         assert any(e["text"] == "node2 left" for e in status["events"])
         assert_identical(c, ["node0", "node1"], range(1, 13))
         assert "declared dead" not in c.log("coordinator")
+
+
+def _start_in_order(c: LocalCluster, extra: list[str]) -> None:
+    """node0 first, node1 once node0 holds its data lease: the same shards go to the same nodes every run."""
+    c.start_node("node0", extra)
+    state = c.state_dir / "coordinator.sqlite"
+    wait_for(lambda: state.exists() and CoordinatorState(state).db.execute(
+        "SELECT COUNT(*) FROM data_shards WHERE sticky = 'node0/0' AND holder IS NOT NULL").fetchone()[0] > 0,
+        180, "node0's data lease")
+    c.start_node("node1", extra)
+
+
+def _last_by_step(records: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def test_whole_run_stopped_and_resumed_repeats_the_uninterrupted_run(tmp_path, corpus):
+    """Every process of a 2-node run is SIGKILLed after outer step 5 and restarted with --resume: the run
+    rolls back to the nodes' checkpoints of outer step 4 (weights, outer and inner optimizer states,
+    schedule, data cursors) and goes on bit for bit as the same run that was never interrupted."""
+    extra = ["--checkpoint.every", "10", "--chaos.step_delay_s", "0.2"]  # checkpoints at outer steps 2, 4, 6
+    with cluster(tmp_path / "uninterrupted", corpus, 2, steps=40) as ref:
+        _start_in_order(ref, extra)
+        assert ref.wait_nodes(300) == {"node0": 0, "node1": 0}, ref.log("node1")[-3000:]
+    reference = ref.outer_records("node0")
+    assert max(reference) == 8
+
+    with cluster(tmp_path / "resumed", corpus, 2, steps=40) as c:
+        _start_in_order(c, extra)
+        wait_for(lambda: len(c.outer_records("node0")) >= 5, 240, "outer step 5")
+        for name in ("node0", "node1"):
+            c.kill_node(name)
+        c.kill_coordinator()
+        c.start_coordinator(start_nodes=2)
+        _start_in_order(c, [*extra, "--resume"])
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0}, c.log("node0")[-3000:]
+        events = " | ".join(e["text"] for e in c.status()["events"])
+    # Killed between outer steps 5 and 6 (each inner step takes ≥ 0.2 s); the checkpoints are of step 4.
+    assert "rolled back from outer step 5 to 4" in events, events
+    for name in ("node0", "node1"):
+        assert "resumed at outer step 4 (the run's newest)" in c.log(name), c.log(name)[-2000:]
+        resumed = c.outer_records(name)  # later records (after the resume) replace the rolled-back ones
+        assert [resumed[k]["model_hash"] for k in range(1, 9)] == [reference[k]["model_hash"] for k in range(1, 9)]
+    # The loss curve continues as if uninterrupted: the same loss at every inner step after the resume.
+    ref_loss, loss = _last_by_step(ref.metrics("node0"), "loss"), _last_by_step(c.metrics("node0"), "loss")
+    assert [loss[s] for s in range(21, 41)] == [ref_loss[s] for s in range(21, 41)]
+    assert_exactly_once(c, corpus)

@@ -75,6 +75,7 @@ class Coordinator:
         self.round_times: deque[float] = deque(maxlen=20)
         self.last_ready_at: dict[str, float] = {}
         self.started = time.monotonic()
+        self.heard_from: set[str] = set()  # nodes that made a request to this process (not just in the state)
         self.telemetry = TelemetryLog(state)
         self.ledger = DataLedger(state.db)
         with self.state.transaction():
@@ -108,6 +109,9 @@ class Coordinator:
         host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
         snapshot = [f"{host}:{int(p)}" for p in list(body.get("snapshot_ports") or [])[:64]]
         data_shards, data_id = int(body.get("data_shards", 0)), str(body.get("data_fingerprint", ""))[:64]
+        restored = int(body.get("restored_step", 0))
+        if restored:
+            self._wait_for_reconnects()
         with self.lock, self.state.transaction():
             run_fp = self.state.get_meta("fingerprint")
             run_procs = self.state.get_meta("procs_per_node")
@@ -126,6 +130,8 @@ class Coordinator:
                 self.state.set_meta("data_fingerprint", data_id)
                 self.ledger.configure(data_shards)
             committed = self.state.committed_step()
+            if restored:
+                committed = self._admit_restored(restored, model_hash, committed)
             initial = self.state.get_meta("initial_hash")
             if committed == 0 and initial is not None and initial != model_hash:
                 raise Refused(409, f"initial weights differ: hash {model_hash} but the run started from {initial}; "
@@ -137,20 +143,61 @@ class Coordinator:
             index = int(self.state.get_meta("next_node_index", "0"))
             self.state.set_meta("next_node_index", index + 1)
             session = secrets.token_hex(24)
-            taken = {n.name for n in self.state.nodes()}
-            # A newcomer holds no committed state (outer step 0 only while nothing has committed yet).
+            taken = {n.name for n in self.state.nodes() if n.state == "active"}
+            # A newcomer holds no committed state (outer step 0 only while nothing has committed yet), a
+            # resumed node the step of its checkpoint.
             node = Node(secrets.token_hex(6), f"{name}-{index}" if name in taken else name,
-                        _hash_session(session), index, "active", time.time(), 0, model_hash, address,
+                        _hash_session(session), index, "active", time.time(), restored, model_hash, address,
                         snapshot=json.dumps(snapshot))
             self.state.put_node(node)
-            self.state.event(f"{node.name} joined at outer step {committed}")
+            self.state.event(f"{node.name} joined at outer step {committed}" +
+                             (f" (resumed from its checkpoint of outer step {restored})" if restored else ""))
             self.leases[node.node_id] = time.monotonic() + self.config.lease_s
+            self.heard_from.add(node.node_id)
             self.changed.notify_all()
         log.info("%s joined (node index %d) at outer step %d", node.name, index, committed)
         return {"node_id": node.node_id, "session": session, "name": node.name, "node_index": index,
                 "run_id": self.run_id, "committed_step": committed, "lease_s": self.config.lease_s,
                 "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s,
                 "snapshot_key": self.state.get_meta("snapshot_key")}
+
+    def _admit_restored(self, restored: int, model_hash: str, committed: int) -> int:
+        """A node resumed from its checkpoint of outer step `restored`: checks it against the hash the run
+        committed, and rolls the run back to it when no live node holds anything newer (the whole run was
+        stopped and is being resumed). Returns the run's committed step afterwards."""
+        expected = self.state.committed_hashes(limit=1 << 30).get(restored)
+        if restored > committed or expected is None:
+            raise Refused(409, f"this node's checkpoint is of outer step {restored}, which this run never committed "
+                               f"(committed: {committed}); resume it from a checkpoint of this run")
+        if expected != model_hash:
+            raise Refused(409, f"this node's checkpoint of outer step {restored} hashes to {model_hash}, the run "
+                               f"committed {expected}; it is not this run's state")
+        newest_held = max((n.outer_step for n in self.live_nodes() if n.node_id in self.heard_from), default=0)
+        if committed > restored and newest_held <= restored:
+            self._roll_back(committed, restored)
+            return restored
+        return committed
+
+    def _wait_for_reconnects(self) -> None:
+        """Nodes known from before a coordinator restart get a grace period to reconnect: a resumed node's
+        join waits it out (outside any transaction) before concluding that nobody holds newer steps."""
+        give_up = time.monotonic() + 2 * self.config.lease_s + 1
+        with self.lock:
+            while any(n.node_id not in self.heard_from for n in self.live_nodes()) and time.monotonic() < give_up:
+                self.changed.wait(timeout=0.25)
+                self._expire_leases()
+
+    def _roll_back(self, committed: int, to: int) -> None:
+        for step in self.state.steps():
+            if step.outer_step > to and step.decision == "apply":
+                step.decision = "rolled_back"
+                self.state.put_step(step)
+        self.state.drop_commits_after(to)
+        self.ledger.roll_back(to)
+        self.state.set_meta("resumed_at", to)
+        self.state.event(f"run rolled back from outer step {committed} to {to}: no live node holds a newer state, "
+                         "so it resumes from the nodes' checkpoints (data cursors included)")
+        log.warning("run rolled back from outer step %d to %d (resumed from checkpoints)", committed, to)
 
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
         if self.config.public_status:
@@ -171,6 +218,7 @@ class Coordinator:
             raise Refused(401, "unknown node or wrong session; join again with a valid token")
         if node.state != "active":
             raise Refused(410, f"{node.name} was declared {node.state}; join again to continue")
+        self.heard_from.add(node.node_id)
         return node
 
     def heartbeat(self, node: Node, body: dict) -> dict:
@@ -262,7 +310,9 @@ class Coordinator:
         in_step = {nid for nid, n in live.items() if n.outer_step == step - 1 and not n.needs_resync}
         if not in_step <= set(ready) and waited < self.deadline_s():
             return
-        if step == 1 and len(ready) < self.config.start_nodes:
+        # The first step, and the first after a whole-run resume, waits for start_nodes (not the first to arrive).
+        first = step == 1 or step == int(self.state.get_meta("resumed_at", "-1")) + 1
+        if first and len(ready) < self.config.start_nodes:
             return
         if not any(r.contributes for r in ready.values()):
             return
@@ -426,7 +476,7 @@ class Coordinator:
             if not self.ledger.shards:
                 raise Refused(409, "this run has no data ledger: its nodes joined without data shards")
             try:
-                lease = self.ledger.lease(node.node_id, worker, held)
+                lease = self.ledger.lease(node.node_id, worker, held, f"{node.name}/{worker}")
             except LedgerError as e:
                 raise Refused(409, str(e)) from None
         log.debug("%s worker %d leased data shard %d (pass %d)", node.name, worker, lease["shard"], lease["pass"])

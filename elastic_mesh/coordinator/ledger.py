@@ -73,25 +73,28 @@ class DataLedger:
     def configure(self, shards: int) -> None:
         """Creates the shard rows once, when the first node that reads data joins."""
         if self.shards == 0 and shards > 0:
-            self.db.executemany("INSERT INTO data_shards VALUES (?, 0, '[]', NULL, NULL)",
+            self.db.executemany("INSERT INTO data_shards VALUES (?, 0, '[]', NULL, NULL, NULL)",
                                 [(s,) for s in range(shards)])
 
-    def lease(self, node_id: str, worker: int, held: list[int]) -> dict:
-        """A free shard for one worker: the one with the fewest passes, lowest index first. `held` lists
-        the shards the worker knows it holds: one leased to it that it does not list is an answer that
-        got lost on the way (a retried request), and is answered again instead of leasing another."""
+    def lease(self, node_id: str, worker: int, held: list[int], sticky: str = "") -> dict:
+        """A free shard for one worker: the one this worker (`sticky`: node name / local rank) read last,
+        if free (a resumed or restarted node reads on where it left off, and a resumed run repeats itself
+        exactly), else the one with the fewest passes, lowest index first. `held` lists the shards the
+        worker knows it holds: one leased to it that it does not list is an answer that got lost on the
+        way (a retried request), and is answered again instead of leasing another."""
         lost = self.db.execute("SELECT shard, pass, cursor FROM data_shards WHERE holder = ? AND worker = ? "
                                "ORDER BY shard", (node_id, worker)).fetchall()
         for row in lost:
             if row[0] not in held:
                 return {"shard": row[0], "pass": row[1], "cursor": json.loads(row[2])}
         row = self.db.execute("SELECT shard, pass, cursor FROM data_shards WHERE holder IS NULL "
-                              "ORDER BY pass, shard LIMIT 1").fetchone()
+                              "ORDER BY CASE WHEN sticky = ? THEN 0 ELSE 1 END, pass, shard LIMIT 1", (sticky,)).fetchone()
         if row is None:
             held = self.shards
             raise LedgerError(f"all {held} data shards are leased to other workers; cut the data into more shards "
                               "(data.parts_per_file) than the run has local ranks in all nodes together")
-        self.db.execute("UPDATE data_shards SET holder = ?, worker = ? WHERE shard = ?", (node_id, worker, row[0]))
+        self.db.execute("UPDATE data_shards SET holder = ?, worker = ?, sticky = ? WHERE shard = ?",
+                        (node_id, worker, sticky or None, row[0]))
         return {"shard": row[0], "pass": row[1], "cursor": json.loads(row[2])}
 
     def release(self, node_id: str) -> int:
@@ -123,6 +126,17 @@ class DataLedger:
             self.db.execute("INSERT INTO data_log (outer_step, node_id, worker, shard, pass, start, end, finished) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (outer_step, node_id, r.worker, r.shard, r.pass_,
                                                                 json.dumps(r.start), json.dumps(r.end), int(r.finished)))
+
+    def roll_back(self, outer_step: int) -> None:
+        """The ledger as it was when `outer_step` committed (a whole-run resume from checkpoints): later
+        ranges are forgotten, every shard's pass and cursor recomputed from the log, all leases ended."""
+        self.db.execute("DELETE FROM data_log WHERE outer_step > ?", (outer_step,))
+        for (shard,) in self.db.execute("SELECT shard FROM data_shards").fetchall():
+            rows = self.db.execute("SELECT end, finished FROM data_log WHERE shard = ? ORDER BY id", (shard,)).fetchall()
+            passes = sum(f for _, f in rows)
+            cursor = rows[-1][0] if rows and not rows[-1][1] else "[]"
+            self.db.execute("UPDATE data_shards SET pass = ?, cursor = ?, holder = NULL, worker = NULL WHERE shard = ?",
+                            (passes, cursor, shard))
 
     def summary(self) -> dict:
         rows = self.db.execute("SELECT pass, holder FROM data_shards").fetchall()

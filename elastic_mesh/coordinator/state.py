@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS commits (
 CREATE TABLE IF NOT EXISTS store (key TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS data_shards (shard INTEGER PRIMARY KEY, pass INTEGER NOT NULL, cursor TEXT NOT NULL,
-    holder TEXT, worker INTEGER);
+    holder TEXT, worker INTEGER, sticky TEXT);
 CREATE TABLE IF NOT EXISTS data_log (id INTEGER PRIMARY KEY AUTOINCREMENT, outer_step INTEGER NOT NULL,
     node_id TEXT NOT NULL, worker INTEGER NOT NULL, shard INTEGER NOT NULL, pass INTEGER NOT NULL, start TEXT NOT NULL,
     end TEXT NOT NULL, finished INTEGER NOT NULL);
@@ -145,6 +145,9 @@ class CoordinatorState:
     # commits (model hashes per node)
     def put_commit(self, outer_step: int, node_id: str, model_hash: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?, ?)", (outer_step, node_id, model_hash))
+
+    def drop_commits_after(self, outer_step: int) -> None:
+        self.db.execute("DELETE FROM commits WHERE outer_step > ?", (outer_step,))
 
     def commits(self, outer_step: int) -> dict[str, str]:
         return dict(self.db.execute("SELECT node_id, model_hash FROM commits WHERE outer_step = ?", (outer_step,)))
