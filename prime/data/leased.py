@@ -90,9 +90,9 @@ class LeasedSequenceStream:
 
     def report(self) -> list[dict]:
         """What was read since the last commit (the vote carries it to the coordinator)."""
-        if any(h.pass_ < 0 for h in self.held):
-            raise RuntimeError("this round read unleased data (the node was dropped); it cannot be committed")
-        return [h.report(self.worker) for h in self.held if h.finished or h.end != h.start]
+        # Filler read while the node was dropped is never reported: the coordinator refuses the dropped
+        # node's vote anyway, and the node forgets these leases when it rejoins.
+        return [h.report(self.worker) for h in self.held if h.pass_ >= 0 and (h.finished or h.end != h.start)]
 
     def committed(self) -> None:
         """The step averaged this worker's reading: cursors move on, finished shards go back to the pool.
