@@ -89,7 +89,7 @@ class ElasticDeviceMesh:
         # Every local rank serves its own shard's snapshots; the key arrives with the join answer.
         port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
         self.snapshots = SnapshotServer("0.0.0.0", port, key="", keep=config.snapshot_keep)
-        self.node_facts = {**node_facts, "snapshot_ports": self._gather_ports()}
+        self.node_facts = {**node_facts, "snapshot_ports": self.gather(self.snapshots.port)}
         self.joined = self._join()
 
     # ---- talking to the coordinator (local rank 0), shared with the node ------------------------------
@@ -110,15 +110,6 @@ class ElasticDeviceMesh:
                 self.heartbeat.stop()
             self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], self.telemetry).start()
         return answer
-
-    def _gather_ports(self) -> list[int]:
-        mine = torch.tensor([self.snapshots.port], dtype=torch.int64)
-        ports = [torch.zeros(1, dtype=torch.int64) for _ in range(self.local_world)]
-        if self.local_world > 1:
-            dist.all_gather(ports, mine)
-        else:
-            ports = [mine]
-        return [int(p) for p in ports]
 
     def share(self, value: dict | None) -> dict:
         """Local rank 0's value on every local rank (JSON over the local group)."""
@@ -141,7 +132,7 @@ class ElasticDeviceMesh:
         dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
         longest = int(max(s.item() for s in sizes))
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
         bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.local_world)]
         dist.all_gather(bufs, mine)
         return [json.loads(b[:int(n.item())].numpy().tobytes().decode()) for b, n in zip(bufs, sizes)]

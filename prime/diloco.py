@@ -363,10 +363,13 @@ class DilocoHook:
         if trainer.leased is None:
             return
         if outcome == "committed":
-            trainer.leased.committed()
-            return
-        trainer.leased.rewind() if outcome == "rewind" else trainer.leased.forget()
-        trainer.restart_data()
+            trainer.leased.committed()  # the running iterator goes on
+        elif outcome == "rewind":
+            trainer.leased.rewind()
+            trainer.restart_data()
+        else:
+            trainer.leased.forget()
+            trainer.restart_data()
 
     def _fault(self, step: int):
         def on_phase(phase: str) -> None:

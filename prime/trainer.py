@@ -75,7 +75,6 @@ class Trainer:
             self._position = self._restore()
         self.train_files, self.eval_files = train_and_eval_files(config.data)
         self._batches: BatchIterator | None = None
-        self.data_worker = (group.rank, group.world_size)
         self.leased: LeasedSequenceStream | None = None
 
         self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
@@ -90,13 +89,6 @@ class Trainer:
             log.info("%s model %.2fM params, %d local rank(s) on %s, %s, batch %d × %d tokens, %d accumulation step(s)",
                      self.prefix, self.num_params / 1e6, group.world_size, group.device, self.dtype,
                      config.train.batch_size, config.train.seq_len, self.accumulation)
-
-    def set_data_worker(self, worker: int, workers: int) -> None:
-        """Which data-parallel worker this rank is among all ranks of all nodes (before the first step)."""
-        if self._batches is not None:
-            raise RuntimeError("the data worker must be chosen before training starts")
-        worker_shards(self.config.data, self.train_files, worker, workers)  # refuse an impossible split now
-        self.data_worker = (worker, workers)
 
     def lease_data(self, lease, worker: int) -> LeasedSequenceStream:
         """Reads shards leased from the coordinator instead of a fixed slice (a multi-node run): see
@@ -117,7 +109,7 @@ class Trainer:
         if self._batches is None:
             stream = self.leased
             if stream is None:
-                shards = worker_shards(self.config.data, self.train_files, *self.data_worker)
+                shards = worker_shards(self.config.data, self.train_files, self.group.rank, self.group.world_size)
                 stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
                                               self.config.data.text_field, self._position)
             self._batches = BatchIterator(stream, self.config.train.micro_batch_size)

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from elastic_mesh.client import CoordinatorClient, CoordinatorError
-from elastic_mesh.coordinator.core import CoordinatorConfig
+from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 from elastic_mesh.token import create_token
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import time
-
+from contextlib import closing
 
 from elastic_mesh.coordinator.ledger import DataLedger
 from elastic_mesh.coordinator.state import CoordinatorState
-from launch.cluster import LocalCluster
-from prime.data.audit import audit
+from launch.cluster import LocalCluster, wait_for
+from prime.data.audit import audit_ledger
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer
 
@@ -36,22 +37,14 @@ def assert_identical(c: LocalCluster, names: list[str], steps: range) -> None:
 def assert_exactly_once(c: LocalCluster, corpus, parts_per_file: int = 1):
     """Every document read by a committed outer step entered exactly one (coordinator's ledger, audited
     against the shard files by document id); no shard is still held by a node that is gone."""
-    state = CoordinatorState(c.state_dir / "coordinator.sqlite")
-    ledger = DataLedger(state.db)
     shards = make_shards(sorted(str(p) for p in corpus.glob("train-*.jsonl")), parts_per_file)
-    report = audit(ledger.log(), shards, ByteTokenizer())
+    report = audit_ledger(c.state_dir / "coordinator.sqlite", shards, ByteTokenizer())
     assert report.ok and report.documents > 0, report.summary()
+    state = CoordinatorState(c.state_dir / "coordinator.sqlite")
     gone = {n.node_id for n in state.nodes() if n.state != "active"}
     held = state.db.execute("SELECT shard, holder FROM data_shards WHERE holder IS NOT NULL").fetchall()
     assert not [h for h in held if h[1] in gone], f"shards still held by nodes that are gone: {held}"
     return report
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_three_nodes_train_and_stay_bit_identical(tmp_path, corpus):
@@ -213,9 +206,12 @@ def _start_in_order(c: LocalCluster, extra: list[str]) -> None:
     """node0 first, node1 once node0 holds its data lease: the same shards go to the same nodes every run."""
     c.start_node("node0", extra)
     state = c.state_dir / "coordinator.sqlite"
-    wait_for(lambda: state.exists() and CoordinatorState(state).db.execute(
-        "SELECT COUNT(*) FROM data_shards WHERE sticky = 'node0/0' AND holder IS NOT NULL").fetchone()[0] > 0,
-        180, "node0's data lease")
+
+    def node0_holds_a_shard() -> bool:
+        with closing(sqlite3.connect(f"file:{state}?mode=ro", uri=True)) as db:  # read-only: the coordinator writes
+            return db.execute("SELECT COUNT(*) FROM data_shards WHERE sticky = 'node0/0' AND holder IS NOT NULL"
+                              ).fetchone()[0] > 0
+    wait_for(lambda: state.exists() and node0_holds_a_shard(), 180, "node0's data lease")
     c.start_node("node1", extra)
 
 

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from elastic_mesh.coordinator.core import CoordinatorConfig
+from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 
 

@@ -17,39 +17,13 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
 from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
 from elastic_mesh.coordinator.telemetry import TelemetryLog
 from elastic_mesh.token import TokenError, verify_token
 
 log = logging.getLogger(__name__)
-
-
-class CoordinatorConfig(BaseModel):
-    """Time-outs and limits of the control plane."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lease_s: float = Field(6.0, gt=0, description="A node that sends no heartbeat for this long is declared dead.")
-    heartbeat_s: float = Field(1.0, gt=0, description="How often nodes are told to send heartbeats.")
-    min_wait_s: float = Field(10.0, ge=0, description="Shortest wait for late nodes at an outer-step barrier.")
-    deadline_factor: float = Field(
-        0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
-    poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
-    start_nodes: int = Field(1, ge=1, description="The first outer step waits until this many nodes are ready.")
-    public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
-                                "(Authorization: Bearer TOKEN) or a node's session.")
-    max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")
-
-
-class Refused(Exception):
-    """A request the coordinator will not carry out; `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -188,13 +162,8 @@ class Coordinator:
                 self._expire_leases()
 
     def _roll_back(self, committed: int, to: int) -> None:
-        for step in self.state.steps():
-            if step.outer_step > to and step.decision == "apply":
-                step.decision = "rolled_back"
-                self.state.put_step(step)
-        self.state.drop_commits_after(to)
+        self.state.roll_back(to)
         self.ledger.roll_back(to)
-        self.state.set_meta("resumed_at", to)
         self.state.event(f"run rolled back from outer step {committed} to {to}: no live node holds a newer state, "
                          "so it resumes from the nodes' checkpoints (data cursors included)")
         log.warning("run rolled back from outer step %d to %d (resumed from checkpoints)", committed, to)

@@ -6,7 +6,8 @@ import os
 import secrets
 from pathlib import Path
 
-from elastic_mesh.coordinator.core import Coordinator, CoordinatorConfig
+from elastic_mesh.coordinator.config import CoordinatorConfig
+from elastic_mesh.coordinator.core import Coordinator
 from elastic_mesh.coordinator.server import CoordinatorServer
 from elastic_mesh.coordinator.state import CoordinatorState
 from elastic_mesh.token import create_token

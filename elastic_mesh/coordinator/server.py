@@ -15,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from elastic_mesh.coordinator.core import Coordinator, Refused
+from elastic_mesh.coordinator.config import Refused
+from elastic_mesh.coordinator.core import Coordinator
 
 log = logging.getLogger(__name__)
 

@@ -146,8 +146,13 @@ class CoordinatorState:
     def put_commit(self, outer_step: int, node_id: str, model_hash: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?, ?)", (outer_step, node_id, model_hash))
 
-    def drop_commits_after(self, outer_step: int) -> None:
+    def roll_back(self, outer_step: int) -> None:
+        """Steps applied after `outer_step` become `rolled_back` and their commits are forgotten: the run
+        resumes from nodes' checkpoints of that step. The first step after it waits for start_nodes."""
+        self.db.execute("UPDATE steps SET decision = 'rolled_back' WHERE outer_step > ? AND decision = 'apply'",
+                        (outer_step,))
         self.db.execute("DELETE FROM commits WHERE outer_step > ?", (outer_step,))
+        self.set_meta("resumed_at", outer_step)
 
     def commits(self, outer_step: int) -> dict[str, str]:
         return dict(self.db.execute("SELECT node_id, model_hash FROM commits WHERE outer_step = ?", (outer_step,)))

@@ -229,15 +229,12 @@ def soak(args) -> dict:
 
 def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
     """Every document read by a committed outer step, counted by id against the shard files."""
-    from elastic_mesh.coordinator.ledger import DataLedger
-    from elastic_mesh.coordinator.state import CoordinatorState
-    from prime.data.audit import audit
+    from prime.data.audit import audit_ledger
     from prime.data.shards import make_shards
     from prime.data.tokenizer import ByteTokenizer
 
     shards = make_shards(sorted(str(p) for p in corpus.glob("train-*.jsonl")), 1)
-    report = audit(DataLedger(CoordinatorState(cluster.state_dir / "coordinator.sqlite").db).log(), shards,
-                   ByteTokenizer())
+    report = audit_ledger(cluster.state_dir / "coordinator.sqlite", shards, ByteTokenizer())
     return {"ok": report.ok, "documents": report.documents, "tokens": report.tokens, "ranges": report.ranges,
             "duplicated": len(report.duplicated), "incomplete": len(report.partial),
             "gaps_or_overlaps": len(report.chain_errors), "summary": report.summary()}

@@ -12,11 +12,13 @@ dropped by design (fewer than seq_len + 1 per shard and pass) and counted separa
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prime.data.leased import cursor_position
 from prime.data.shards import Shard, iter_records
 from prime.data.tokenizer import Tokenizer
 
@@ -51,8 +53,15 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _position(cursor: list[int]) -> Position:
-    return (0, 0) if not cursor else (int(cursor[0]), int(cursor[1]))
+def audit_ledger(state: Path, shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
+    """Audits the committed ranges in a coordinator's state file (read-only: the run may still be going)."""
+    from elastic_mesh.coordinator.ledger import DataLedger
+
+    db = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
+    try:
+        return audit(DataLedger(db).log(), shards, tokenizer, text_field)
+    finally:
+        db.close()
 
 
 def audit(log: list[dict], shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
@@ -67,15 +76,15 @@ def audit(log: list[dict], shards: list[Shard], tokenizer: Tokenizer, text_field
         entries.sort(key=lambda e: e["outer_step"])
         expected: Position = (0, 0)
         for e in entries:
-            if _position(e["start"]) != expected:
+            if cursor_position(e["start"]) != expected:
                 report.chain_errors.append(f"shard {shard} pass {pass_}: outer step {e['outer_step']} read from "
-                                           f"{_position(e['start'])}, the previous range ended at {expected}")
-            expected = _position(e["end"])
+                                           f"{cursor_position(e['start'])}, the previous range ended at {expected}")
+            expected = cursor_position(e["end"])
         finished = entries[-1]["finished"]
         report.finished_passes += finished
         if any(e["finished"] for e in entries[:-1]):
             report.chain_errors.append(f"shard {shard} pass {pass_}: read again after it was finished")
-        bounds = [(_position(e["start"]), _position(e["end"])) for e in entries]
+        bounds = [(cursor_position(e["start"]), cursor_position(e["end"])) for e in entries]
         _count_documents(shards[shard], tokenizer, text_field, pass_, bounds, finished, seen, report)
     report.duplicated += [f"{doc} (pass {p}): {n} times" for (doc, p), n in seen.items() if n > 1]
     report.documents = len(seen)
@@ -122,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.state.is_file():
         parser.error(f"{args.state} does not exist; give the coordinator's state file (STATE_DIR/coordinator.sqlite)")
-    from elastic_mesh.coordinator.ledger import DataLedger
-    from elastic_mesh.coordinator.state import CoordinatorState
     from prime.config import load_config
     from prime.data.loader import train_and_eval_files
     from prime.data.shards import make_shards
@@ -135,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, dict(pair.split("=", 1) for pair in args.set))
     files, _ = train_and_eval_files(config.data)
     shards = make_shards(files, config.data.parts_per_file)
-    log = DataLedger(CoordinatorState(args.state).db).log()
-    report = audit(log, shards, load_tokenizer(config.data.tokenizer), config.data.text_field)
+    report = audit_ledger(args.state, shards, load_tokenizer(config.data.tokenizer), config.data.text_field)
     print(report.summary())
     return 0 if report.ok else 1
 

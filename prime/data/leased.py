@@ -39,7 +39,8 @@ def _cursor(position: tuple[int, int]) -> list[int]:
     return [] if position == (0, 0) else list(position)
 
 
-def _position(cursor: list[int]) -> tuple[int, int]:
+def cursor_position(cursor: list[int]) -> tuple[int, int]:
+    """(document, token offset) of a ledger cursor; [] is the top of the shard."""
     if not cursor:
         return 0, 0
     if len(cursor) != 2:
@@ -83,7 +84,7 @@ class LeasedSequenceStream:
         if not 0 <= shard < len(self.shards):
             raise ValueError(f"the coordinator leased data shard {shard} but this node has {len(self.shards)}; "
                              "every node must read the same files with the same data.parts_per_file")
-        position = _position(answer.get("cursor") or [])
+        position = cursor_position(answer.get("cursor") or [])
         log.debug("worker %d leased shard %s (pass %d) at %s", self.worker, self.shards[shard].name, answer["pass"],
                   position)
         return HeldShard(shard, int(answer["pass"]), position, position)

@@ -1,0 +1,30 @@
+"""The coordinator's settings, and the error its decisions answer a request with."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CoordinatorConfig(BaseModel):
+    """Time-outs and limits of the control plane."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(6.0, gt=0, description="A node that sends no heartbeat for this long is declared dead.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often nodes are told to send heartbeats.")
+    min_wait_s: float = Field(10.0, ge=0, description="Shortest wait for late nodes at an outer-step barrier.")
+    deadline_factor: float = Field(
+        0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
+    poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
+    start_nodes: int = Field(1, ge=1, description="The first outer step waits until this many nodes are ready.")
+    public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
+                                "(Authorization: Bearer TOKEN) or a node's session.")
+    max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")
+
+
+class Refused(Exception):
+    """A request the coordinator will not carry out; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
