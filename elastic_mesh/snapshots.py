@@ -199,18 +199,35 @@ class SnapshotFetcher:
         self.timeout_s, self.streams = timeout_s, streams_per_source
         self.max_failures = max_failures_per_source
 
-    def _get(self, source: str, path: str) -> bytes:
-        host, port = source.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
+    def _get(self, source: str, path: str, conns: dict[str, http.client.HTTPConnection] | None = None) -> bytes:
+        """One GET. With `conns` (a download stream's own connections) the connection to each source is
+        kept open between chunks: a new TCP connection per 4 MiB chunk restarts slow start every time,
+        which costs most on the long, fat links snapshots cross."""
+        conn = conns.pop(source, None) if conns is not None else None
+        reused = conn is not None
+        if conn is None:
+            host, port = source.rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
         try:
             conn.request("GET", path, headers={"X-Prime-Snapshot-Key": self.key})
             response = conn.getresponse()
-            body = response.read()
-            if response.status != 200:
-                raise SnapshotError(f"{source}{path}: HTTP {response.status} {body[:200].decode(errors='replace')}")
-            return body
-        finally:
+            body = response.read()  # read whole even on an error status, so the connection stays usable
+        except (http.client.HTTPException, ConnectionError) as e:
             conn.close()
+            if reused:  # the server closed an idle kept connection: not the source's fault, try a fresh one
+                log.debug("kept connection to %s was closed (%s); reconnecting", source, e)
+                return self._get(source, path, conns)
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        if conns is not None:
+            conns[source] = conn
+        else:
+            conn.close()
+        if response.status != 200:
+            raise SnapshotError(f"{source}{path}: HTTP {response.status} {body[:200].decode(errors='replace')}")
+        return body
 
     def manifests(self, step: int | None, kind: str) -> dict[str, dict]:
         """The manifest each reachable source holds for `step` (or its latest)."""
@@ -271,6 +288,14 @@ class SnapshotFetcher:
             return [s for s in sources if failures[s] < self.max_failures and s not in excluded]
 
         def worker() -> None:
+            conns: dict[str, http.client.HTTPConnection] = {}
+            try:
+                fetch_chunks(conns)
+            finally:
+                for conn in conns.values():
+                    conn.close()
+
+        def fetch_chunks(conns: dict[str, http.client.HTTPConnection]) -> None:
             while True:
                 with lock:
                     if remaining[0] == 0 or errors:
@@ -289,7 +314,7 @@ class SnapshotFetcher:
                     turn[0] += 1
                 expected = manifest["chunks"][index]
                 try:
-                    data = self._get(source, f"/v1/{kind}/{manifest['step']}/chunk/{index}")
+                    data = self._get(source, f"/v1/{kind}/{manifest['step']}/chunk/{index}", conns)
                 except (OSError, SnapshotError) as e:
                     with lock:
                         failures[source] += 1
@@ -311,7 +336,7 @@ class SnapshotFetcher:
                     remaining[0] -= 1
 
         threads = [threading.Thread(target=worker, daemon=True)
-                   for _ in range(max(1, min(self.streams * len(sources), math.ceil(max(1, remaining[0])))))]
+                   for _ in range(min(self.streams * len(sources), max(1, remaining[0])))]
         for t in threads:
             t.start()
         for t in threads:

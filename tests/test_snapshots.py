@@ -53,6 +53,45 @@ def test_fetches_from_three_sources_at_once(tmp_path):
     assert min(report.bytes_from.values()) > report.total_bytes / 6  # spread, not one source doing it all
 
 
+class CountingServer(SnapshotServer):
+    """Counts the TCP connections it accepts."""
+
+    accepted = 0
+
+    def get_request(self):
+        self.accepted += 1
+        return super().get_request()
+
+
+def test_chunks_travel_over_kept_connections(tmp_path):
+    snapshot = build_snapshot(5, state(), chunk_bytes=CHUNK)  # ~2 MB: 31 chunks
+    server = CountingServer("127.0.0.1", 0, KEY)
+    server.publish(snapshot)
+    try:
+        fetcher = SnapshotFetcher(addresses([server]), KEY, tmp_path, streams_per_source=2)
+        _, tensors, report = fetcher.fetch()
+    finally:
+        server.stop()
+    assert_state(tensors)
+    # One connection for the manifest, then one per stream, not one per chunk.
+    assert report.chunks > 20 and server.accepted <= 1 + 2, server.accepted
+
+
+def test_a_kept_connection_the_server_closed_is_reopened_without_blaming_the_source(tmp_path):
+    server = serve(1)[0]
+    # Idle connections are closed by the server after 0.2 s (30 s in production).
+    server.RequestHandlerClass = type("QuickHandler", (server.RequestHandlerClass,), {"timeout": 0.2})
+    fetcher = SnapshotFetcher(addresses([server]), KEY, tmp_path)
+    conns: dict = {}
+    try:
+        first = fetcher._get(addresses([server])[0], "/v1/snapshot/5/chunk/0", conns)
+        time.sleep(0.6)
+        again = fetcher._get(addresses([server])[0], "/v1/snapshot/5/chunk/0", conns)
+    finally:
+        server.stop()
+    assert first == again and len(first) == CHUNK
+
+
 def test_a_corrupt_chunk_is_fetched_from_another_source(tmp_path):
     servers = serve(2)
     bad = servers[0]

