@@ -87,7 +87,8 @@ _WANDB_NAMES = {
               "tokens_contributed": "outer/tokens_contributed"},
     "eval": {"eval_loss": "eval/loss"},
     "train": {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
-              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "step_s": "train/step_s"},
+              "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "step_s": "train/step_s",
+              "checkpoint_pause_s": "train/checkpoint_pause_s"},
 }
 
 

@@ -65,7 +65,8 @@ class Trainer:
         self.sharded = uses_fsdp(group.world_size, config.train.shard_single_rank)
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.max_steps)
         self.checkpoints = CheckpointStore(Path(config.checkpoint.dir or self.run_dir / "checkpoints"),
-                                           config.checkpoint.keep, group.rank, group.world_size)
+                                           config.checkpoint.keep, group.rank, group.world_size,
+                                           config.checkpoint.background, config.checkpoint.remote)
         self.step, self.tokens_seen, self._position = 0, 0, DataPosition()
         self.restored: Path | None = None  # the checkpoint this run resumed from
         # Hooks add state of their own to every checkpoint (name -> tensor), e.g. DiLoCo's outer optimizer.
@@ -141,8 +142,12 @@ class Trainer:
         # A multi-node run's data position lives in the coordinator's ledger, not in the node's checkpoint.
         data = self.batches.position.to_dict() if self.leased is None else None
         tensors = {k: v for provide in self.checkpoint_tensors for k, v in provide().items()}
+        started = time.perf_counter()
         path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, {"data": data}, tensors)
-        self.progress.note(f"checkpoint step {self.step} written to {path}")
+        paused = time.perf_counter() - started
+        how = "being written in the background" if self.config.checkpoint.background else "written"
+        self.progress.note(f"checkpoint step {self.step} {how} to {path} (training paused {paused:.2f} s)")
+        self.metrics.write({"step": self.step, "checkpoint_pause_s": round(paused, 4)})
         return path
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,10 +238,12 @@ class Trainer:
             self.metrics.write({k: v for k, v in record.items() if k != "eval_loss"})
             if ((every and self.step % every == 0) or last) and self.step % self.checkpoint_multiple == 0:
                 self.save_checkpoint()
+        self.checkpoints.wait()  # the last checkpoint is complete when the run returns
         for hook in self.hooks:
             hook.on_end(self)
         return record
 
     def close(self) -> None:
+        self.checkpoints.wait()
         self.progress.close()
         self.metrics.close()

@@ -56,6 +56,25 @@ def test_resume_is_bit_identical_on_two_ranks(two_rank_run, corpus, tmp_path):
         assert a == b, f"{shard} of the resumed run differs from the uninterrupted run"
 
 
+def test_background_checkpoints_equal_synchronous_ones_and_reach_the_remote_copy(two_rank_run, corpus, tmp_path):
+    """two_rank_run wrote its checkpoints in the background (the default) while it kept training; the same
+    run written synchronously gives the same bytes, so the background copy held the state of its step.
+    The synchronous run also copies every checkpoint to a 'remote' path with fsspec."""
+    sync_dir, remote = tmp_path / "sync", tmp_path / "remote"
+    run_train(["--config", "configs/debug.toml", "--run-dir", str(sync_dir), "--data.path", str(corpus),
+               "--train.max_steps", "40", "--checkpoint.every", "10", "--checkpoint.keep", "2",
+               "--train.eval_every", "20", "--checkpoint.background", "false",
+               "--checkpoint.remote", f"file://{remote}"], nproc=2)
+    background, synchronous = two_rank_run / "checkpoints" / "step_00000040", sync_dir / "checkpoints" / "step_00000040"
+    for shard in ("__0_0.distcp", "__1_0.distcp"):
+        assert (background / shard).read_bytes() == (synchronous / shard).read_bytes(), shard
+    assert sorted(p.name for p in remote.iterdir()) == [f"step_000000{k}0" for k in (1, 2, 3, 4)]  # none pruned
+    copied = remote / "step_00000040"
+    local_files = sorted(p.relative_to(synchronous) for p in synchronous.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(copied) for p in copied.rglob("*") if p.is_file()) == local_files
+    assert all((copied / f).read_bytes() == (synchronous / f).read_bytes() for f in local_files)
+
+
 def test_latest_ignores_partial_saves(tmp_path):
     store = CheckpointStore(tmp_path, keep=2, rank=0, world_size=1)
     (tmp_path / "step_00000010").mkdir()
