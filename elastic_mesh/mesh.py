@@ -210,14 +210,16 @@ class ElasticDeviceMesh:
             "/v1/wait_commit", {"after": after}, lambda a: "committed_step" in a, self.config.barrier_timeout_s))
         return int(answer["committed_step"])
 
-    def fetch(self, sources: dict, kind: str, step: int | None, work_dir: Path) -> tuple[dict, dict, FetchReport]:
-        """This local rank's shard of `kind` at `step` from every source's server for the same local rank."""
+    def fetch(self, sources: dict, kind: str, step: int | None, work_dir: Path,
+              mixed: bool = False) -> tuple[dict, dict, FetchReport]:
+        """This local rank's shard of `kind` at `step` from every source's server for the same local rank
+        (mixed: state that differs between nodes, see SnapshotFetcher.fetch)."""
         addresses = [s["snapshot"][self.local_rank] for s in sources["sources"] if len(s["snapshot"]) > self.local_rank]
         if not addresses:
             raise SnapshotError(f"no live node holds outer step {sources['committed_step']} to fetch from; if all "
                                 "the nodes that had it are gone, restart the run from a checkpoint (--resume)")
         fetcher = SnapshotFetcher(addresses, self.snapshots.key, work_dir, timeout_s=self.config.fetch_timeout_s)
-        return fetcher.fetch(step, kind)
+        return fetcher.fetch(step, kind, mixed)
 
     @property
     def dropped(self) -> bool:

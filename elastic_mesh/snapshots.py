@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 # "snapshot": the whole state of a committed outer step; "update": the averaged pseudo-gradient that made
-# the step, which a node one step behind replays instead of fetching the whole state.
-KINDS = ("snapshot", "update")
+# the step, which a node one step behind replays instead of fetching the whole state; "inner": the
+# node's own inner optimizer state after that step (it differs between nodes: taken from one source).
+KINDS = ("snapshot", "update", "inner")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
 
 
@@ -77,6 +78,11 @@ def snapshot_tensors(manifest: dict, blob: bytes | bytearray) -> dict[str, torch
         tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         out[entry["name"]] = tensor.reshape(entry["shape"])
     return out
+
+
+def _layout(manifest: dict) -> dict:
+    """A manifest without its chunk hashes: what sources of different bytes must still agree on."""
+    return {**manifest, "chunks": [c["size"] for c in manifest["chunks"]]}
 
 
 # ---- serving -----------------------------------------------------------------------------------------
@@ -131,7 +137,7 @@ class SnapshotServer(ThreadingHTTPServer):
         over a slow link that outlasts a few rounds still completes."""
         super().__init__((host, port), _Handler)
         self.key, self.serve_delay_s, self.pin_s = key, serve_delay_s, pin_s
-        self.keep = {"snapshot": keep_snapshots, "update": keep}
+        self.keep = {"snapshot": keep_snapshots, "update": keep, "inner": keep_snapshots}
         self._last_read: dict[tuple[str, int], float] = {}
         self._held: dict[str, dict[int, Snapshot]] = {kind: {} for kind in KINDS}
         self._lock = threading.Lock()
@@ -239,8 +245,13 @@ class SnapshotFetcher:
                 log.warning("snapshot source %s: %s", source, str(e)[:200])
         return found
 
-    def fetch(self, step: int | None = None, kind: str = "snapshot") -> tuple[dict, dict[str, torch.Tensor], FetchReport]:
-        """The `kind` of `step` (default: the newest any source holds), checked chunk by chunk."""
+    def fetch(self, step: int | None = None, kind: str = "snapshot",
+              mixed: bool = False) -> tuple[dict, dict[str, torch.Tensor], FetchReport]:
+        """The `kind` of `step` (default: the newest any source holds), checked chunk by chunk.
+
+        mixed: the sources hold different bytes of the same layout (each node's own optimizer moments);
+        each chunk is checked against the manifest of the source it came from, and the result mixes
+        chunks of several sources. Otherwise they must hold the same bytes, and a minority is outvoted."""
         started = time.monotonic()
         manifests = self.manifests(step, kind)
         if not manifests:
@@ -249,35 +260,37 @@ class SnapshotFetcher:
         if step is None:
             step = max(m["step"] for m in manifests.values())
             manifests = {s: m for s, m in manifests.items() if m["step"] == step}
-        # The sources must describe the same bytes; a minority that disagrees is not used.
+        # The sources must describe the same bytes (mixed: the same layout); a minority that disagrees is not used.
         by_content: dict[str, list[str]] = {}
         for source, manifest in manifests.items():
-            by_content.setdefault(json.dumps(manifest, sort_keys=True), []).append(source)
+            key = _layout(manifest) if mixed else manifest
+            by_content.setdefault(json.dumps(key, sort_keys=True), []).append(source)
         content, sources = max(by_content.items(), key=lambda kv: len(kv[1]))
         for other, who in by_content.items():
             if other != content:
                 log.warning("snapshot %d: %s disagree with the majority's manifest; not used", step, ", ".join(who))
-        manifest = json.loads(content)
+        manifest = manifests[sources[0]]
+        hashes = {s: [c["sha256"] for c in manifests[s]["chunks"]] for s in sources}
         report = FetchReport(step, manifest["total_bytes"], len(manifest["chunks"]))
         directory = self.work_dir / f"{kind}_{step:08d}"
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "manifest.json").write_text(content)
+        (directory / "manifest.json").write_text(json.dumps(manifest))
         pending = queue.Queue()
-        for index, chunk in enumerate(manifest["chunks"]):
+        for index in range(len(manifest["chunks"])):
             path = directory / f"chunk_{index:06d}"
-            if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == chunk["sha256"]:
+            if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() in {h[index] for h in hashes.values()}:
                 report.resumed_chunks += 1
             else:
                 pending.put((index, frozenset()))
-        self._download(manifest, kind, directory, pending, sources, report)
+        self._download(manifest, hashes, kind, directory, pending, sources, report)
         blob = bytearray()
         for index in range(len(manifest["chunks"])):
             blob += (directory / f"chunk_{index:06d}").read_bytes()
         report.seconds = time.monotonic() - started
         return manifest, snapshot_tensors(manifest, blob), report
 
-    def _download(self, manifest: dict, kind: str, directory: Path, pending: queue.Queue, sources: list[str],
-                  report: FetchReport) -> None:
+    def _download(self, manifest: dict, hashes: dict[str, list[str]], kind: str, directory: Path,
+                  pending: queue.Queue, sources: list[str], report: FetchReport) -> None:
         lock = threading.Lock()
         failures = {s: 0 for s in sources}
         errors: list[str] = []
@@ -312,7 +325,7 @@ class SnapshotFetcher:
                         return
                     source = choices[turn[0] % len(choices)]  # spread the chunks over the sources
                     turn[0] += 1
-                expected = manifest["chunks"][index]
+                expected = {"size": manifest["chunks"][index]["size"], "sha256": hashes[source][index]}
                 try:
                     data = self._get(source, f"/v1/{kind}/{manifest['step']}/chunk/{index}", conns)
                 except (OSError, SnapshotError) as e:

@@ -31,6 +31,7 @@ from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.snapshots import SnapshotError, build_snapshot
 from prime.chaos import ChaosConfig, kill_node, take_command
 from prime.diloco_config import DilocoConfig
+from prime.optim import adam_state_tensors, load_adam_state
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class DilocoHook:
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
         if restored and restored == committed:  # resumed from a checkpoint of the run's newest step
-            self._publish(restored, None)  # serve it: the other resumed nodes may hold older checkpoints
+            self._publish(restored, None, trainer.optimizer)  # others resumed may hold older checkpoints
             trainer.progress.note(f"resumed at outer step {restored} (the run's newest), hash "
                                   f"{node_hash(self.outer.digest())}")
         elif committed > 0:  # a running job: this node's weights are stale (initial, or an older checkpoint)
@@ -218,7 +219,7 @@ class DilocoHook:
         if commit.get("status") == "diverged":
             log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", self.mesh.name,
                       model_hash, commit.get("majority_hash"), step)
-        self._publish(step, result)
+        self._publish(step, result, trainer.optimizer)
         elapsed = time.perf_counter() - started
         record = {"outer_step": step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
@@ -232,14 +233,17 @@ class DilocoHook:
         return record
 
     # ---- serving peers ---------------------------------------------------------------------------------
-    def _publish(self, step: int, result) -> None:
+    def _publish(self, step: int, result, optimizer) -> None:
         """Snapshot of step k and the update that made it, built in the background (the outer state does
         not change until the next outer step, which waits for this thread first). The update travels as
         the all-reduce's own encoded bytes: int8 is ~3.9× smaller than the fp32 mean, and decodes to it
-        exactly."""
+        exactly. The inner AdamW moments are copied now (the next inner step changes them) and served
+        too, so a joiner does not start from empty moments."""
         if not self.config.serve_snapshots:
             return
         state = self.outer.state_tensor()
+        inner = adam_state_tensors(optimizer, list(self.model.parameters()))
+        self.mesh.snapshots.publish(build_snapshot(step, inner), "inner")
         if result is None:  # resumed from a checkpoint: the state, without the update that made it
             self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
             return
@@ -268,6 +272,9 @@ class DilocoHook:
         started = time.perf_counter()
         self._wait_for_publisher()
         fetched, replayed = self._bring_to_newest(full)
+        # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
+        # moments of the same step, while the round in flight still runs.
+        inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
         if self.outer_step * self.config.inner_steps < trainer.config.train.max_steps:
             self.mesh.wait_commit(self.outer_step)
             more_fetched, more_replayed = self._bring_to_newest(full=False)
@@ -280,10 +287,33 @@ class DilocoHook:
         elapsed = time.perf_counter() - started
         download_s, self._download_s = self._download_s, 0.0
         trainer.progress.note(f"caught up to outer step {self.outer_step} in {elapsed:.1f} s: "
-                              f"{fetched / 1e6:.1f} MB of snapshot, {replayed} update(s) replayed, hash {model_hash}")
-        return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "replayed": replayed,
+                              f"{fetched / 1e6:.1f} MB of snapshot, {inner_bytes / 1e6:.1f} MB of a peer's AdamW "
+                              f"moments, {replayed} update(s) replayed, hash {model_hash}")
+        return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "inner_state_bytes": inner_bytes,
+                "replayed": replayed,
                 "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
                 "step": trainer.step}
+
+    def _take_inner_state(self, trainer) -> int:
+        """Peers' AdamW moments after the snapshot's step (a publisher may still be writing them: a few
+        tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
+        work_dir = self.work_dir / f"rank{self.mesh.local_rank}"
+        for attempt in range(5):
+            sources = self.mesh.sources()
+            def fetch_and_load() -> int:
+                # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
+                # from a different one (mixed) and the download uses every source's uplink.
+                _, tensors, report = self.mesh.fetch(sources, "inner", self.outer_step, work_dir, mixed=True)
+                load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
+                return report.total_bytes
+            try:
+                return self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
+            except SnapshotError as e:
+                error = e
+                time.sleep(0.5 * (attempt + 1))
+        log.warning("%s: no peer's AdamW moments for outer step %d (%s); going on with fresh ones", self.mesh.name,
+                    self.outer_step, str(error)[:200])
+        return 0
 
     def _bring_to_newest(self, full: bool) -> tuple[int, int]:
         """Returns (snapshot bytes fetched, updates replayed). Keeps trying for diloco.catch_up_timeout_s:
@@ -308,7 +338,7 @@ class DilocoHook:
                 log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
                 time.sleep(min(1.0 * attempt, 5.0))
 
-    def _agreed(self, fetch) -> tuple[dict, dict, object]:
+    def _agreed(self, fetch):
         """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""
         result, error = None, None
         try:

@@ -27,6 +27,10 @@ class DilocoConfig(BaseModel):
     catch_up_timeout_s: float = Field(
         600.0, gt=0, description="A node that is behind keeps trying to catch up from its peers this long before it "
                                  "stops with an error (no live node holds the run's newest step).")
+    take_peer_moments: bool = Field(
+        True, description="A node that fetches a whole snapshot (a joiner) also takes its peers' AdamW moments "
+                          "(as many bytes again, chunks from all sources, while the round in flight runs) instead "
+                          "of starting its inner steps with empty ones.")
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")

@@ -67,3 +67,47 @@ def build_optimizer(
         optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(config, s, total_steps))
     return optimizer, scheduler
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's AdamW moments (its local shards, flat fp32, in `params` order) and step count: what a
+    node that takes another's place needs so its first inner steps are not taken with empty moments."""
+    avg, sq, step = [], [], 0.0
+    for p in params:
+        state = optimizer.state.get(p, {})
+        size = _local(p).numel()
+        avg.append(_local(state["exp_avg"]).detach().reshape(-1).float().cpu() if "exp_avg" in state else
+                   torch.zeros(size))
+        sq.append(_local(state["exp_avg_sq"]).detach().reshape(-1).float().cpu() if "exp_avg_sq" in state else
+                  torch.zeros(size))
+        if "step" in state:
+            step = float(state["step"])
+    flat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731
+    return {"exp_avg": flat(avg), "exp_avg_sq": flat(sq), "step": torch.tensor([step])}
+
+
+def load_adam_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """The inverse of adam_state_tensors, into an optimizer over the same (same-sharded) parameters."""
+    sizes = [_local(p).numel() for p in params]
+    if tensors["exp_avg"].numel() != sum(sizes) or tensors["exp_avg_sq"].numel() != sum(sizes):
+        raise ValueError(f"AdamW state of {tensors['exp_avg'].numel()} values does not fit this rank's "
+                         f"{sum(sizes)} parameters (different model or sharding)")
+    step = float(tensors["step"][0])
+    for p, avg, sq in zip(params, tensors["exp_avg"].split(sizes), tensors["exp_avg_sq"].split(sizes)):
+        local = _local(p)
+        state = optimizer.state[p]
+        moments = [m.view_as(local).to(device=local.device, dtype=local.dtype) for m in (avg, sq)]
+        if hasattr(p, "to_local"):  # an FSDP2 shard: the moments are DTensors laid out like the parameter
+            from torch.distributed.tensor import DTensor
+
+            moments = [DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                       for m in moments]
+        state["exp_avg"], state["exp_avg_sq"] = moments
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].fill_(step)
+        else:
+            state["step"] = torch.tensor(step, dtype=torch.float32)  # AdamW's own (non-capturable) step type

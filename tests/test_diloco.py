@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -67,3 +68,38 @@ def test_h1_sgd_diloco_equals_data_parallel_sgd(tmp_path, corpus):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{key}: max diff {(a - b).abs().max():.2e}"
         moved = max(moved, (a - init).abs().max().item())
     assert moved > 1e-2, "the weights barely moved; the comparison would prove nothing"
+
+
+def test_adam_moments_move_to_another_optimizer_and_step_identically():
+    """What a joiner takes from a peer: the moments and step count, loaded into a fresh AdamW over the same
+    weights, make the next step exactly the peer's (fresh moments would not)."""
+    from prime.optim import adam_state_tensors, load_adam_state
+
+    torch.manual_seed(0)
+    peer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-2, betas=(0.9, 0.95), foreach=True)
+    batches = [torch.randn(5, 8) for _ in range(4)]
+    for x in batches[:3]:
+        peer(x).square().mean().backward()
+        peer_opt.step()
+        peer_opt.zero_grad()
+    moments = adam_state_tensors(peer_opt, list(peer.parameters()))
+    weights = {k: v.clone() for k, v in peer.state_dict().items()}
+
+    def joiner(load: bool) -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        model.load_state_dict(weights)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), foreach=True)
+        if load:
+            load_adam_state(opt, list(model.parameters()), moments)
+        model(batches[3]).square().mean().backward()
+        opt.step()
+        return model
+
+    peer(batches[3]).square().mean().backward()
+    peer_opt.step()
+    taken, fresh = joiner(load=True), joiner(load=False)
+    assert all(torch.equal(a, b) for a, b in zip(taken.parameters(), peer.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.parameters(), peer.parameters()))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_adam_state(peer_opt, list(peer.parameters())[:2], moments)

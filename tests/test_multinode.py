@@ -152,6 +152,7 @@ def test_a_node_joins_a_running_job(tmp_path, corpus):
     # It took a snapshot from a peer while the others went on, replayed the step committed meanwhile, and
     # its first round is a full member's: its stale weights never entered an average.
     assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0 and caught[0]["replayed"] >= 1, caught
+    assert caught[0]["inner_state_bytes"] > 0, caught  # a peer's AdamW moments, not fresh ones
     first = min(late)
     assert 3 <= first < 18 and first == caught[0]["caught_up_to"] + 1, (first, caught)
     assert late[first]["members"] == 3

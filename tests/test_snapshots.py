@@ -195,6 +195,34 @@ def test_a_source_with_different_content_is_outvoted(tmp_path):
     assert addresses(liar)[0] not in report.bytes_from
 
 
+def test_mixed_fetch_takes_each_chunk_from_some_source_checked_against_that_sources_manifest(tmp_path):
+    """Nodes' own optimizer moments: same layout, different bytes. Every chunk of the result is the same
+    chunk of one of the sources and all sources serve some; a source whose bytes do not match its own
+    manifest is caught chunk by chunk and its chunks are taken from the others."""
+    seeds = (1, 2, 3)
+    blobs = [build_snapshot(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK).blob for seed in seeds]
+    servers = [server for seed in seeds for server in serve(1, seed=seed)]
+
+    def fetch(work_dir) -> tuple[bytes, object]:
+        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, work_dir).fetch(mixed=True)
+        return build_snapshot(5, tensors, chunk_bytes=CHUNK).blob, report
+
+    def owners(blob: bytes, chunk: int) -> set[int]:
+        return {k for k, b in enumerate(blobs) if blob[chunk * CHUNK:(chunk + 1) * CHUNK] == b[chunk * CHUNK:(chunk + 1) * CHUNK]}
+    try:
+        mixed, report = fetch(tmp_path / "a")
+        assert len(mixed) == len(blobs[0]) and len(report.bytes_from) == 3
+        assert all(owners(mixed, c) for c in range(report.chunks))
+        snapshot = servers[0].get("snapshot", "latest")
+        servers[0].publish(Snapshot(snapshot.step, snapshot.manifest, bytes(b ^ 0xFF for b in snapshot.blob)))
+        mixed, report = fetch(tmp_path / "b")
+    finally:
+        for s in servers:
+            s.stop()
+    assert report.corrupt and all(addresses(servers)[0] in c for c in report.corrupt), report.corrupt
+    assert all(owners(mixed, c) <= {1, 2} and owners(mixed, c) for c in range(report.chunks))
+
+
 def test_a_snapshot_being_fetched_outlives_newer_ones():
     server = SnapshotServer("127.0.0.1", 0, KEY, keep_snapshots=2, pin_s=60)
     try:
