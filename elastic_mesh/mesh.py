@@ -45,6 +45,9 @@ class MeshConfig(BaseModel):
     snapshot_keep: int = Field(8, ge=1, description="Committed outer steps whose averaged update each node keeps "
                                "for peers that are behind (they replay instead of fetching the whole state).")
     fetch_timeout_s: float = Field(60.0, gt=0, description="Timeout of one snapshot chunk request to a peer.")
+    snapshot_chunk_bytes: int = Field(4 << 20, ge=4096, le=1 << 30, description="Bytes per snapshot chunk, the "
+                                      "unit a joiner verifies and spreads over its sources (smaller: more sources "
+                                      "share a small model's state; larger: fewer requests).")
 
 
 @dataclass
@@ -219,7 +222,13 @@ class ElasticDeviceMesh:
             raise SnapshotError(f"no live node holds outer step {sources['committed_step']} to fetch from; if all "
                                 "the nodes that had it are gone, restart the run from a checkpoint (--resume)")
         fetcher = SnapshotFetcher(addresses, self.snapshots.key, work_dir, timeout_s=self.config.fetch_timeout_s)
-        return fetcher.fetch(step, kind, mixed)
+        manifest, tensors, report = fetcher.fetch(step, kind, mixed)
+        problems = [f"{len(found)} {what} ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})"
+                    for found, what in ((report.corrupt, "chunk(s) did not match their hash"),
+                                        (report.failed, "request(s) failed")) if found]
+        if problems:
+            log.warning("%s %d: %s; all taken from other sources", kind, report.step, ", ".join(problems))
+        return manifest, tensors, report
 
     @property
     def dropped(self) -> bool:

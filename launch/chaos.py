@@ -31,6 +31,7 @@ class Fault:
     target: str
     at: float  # time.monotonic() when it took effect
     detail: str = ""
+    failed: str = ""  # what the cluster got wrong (a fault the harness injected but the cluster did not survive)
 
 
 def listening_ports(pids: set[int]) -> set[int]:
@@ -121,6 +122,70 @@ class FaultInjector:
         self.cluster.kill_node(name)
         self.cluster.nodes[name].wait()
         return self._record("kill-while-joining", name)
+
+    # ---- a source that lies or dies while a joiner downloads from it --------------------------------------
+    def _wait_log(self, name: str, text: str, since: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.cluster.log(name)[since:]:
+            if time.monotonic() > deadline or self.cluster.nodes[name].poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _command(self, name: str, command: str, text: str, timeout_s: float = 60) -> None:
+        seen = len(self.cluster.log(name))
+        (self.control_dir(name) / command).write_text(text)
+        if not self._wait_log(name, f"command {command!r} taken", seen, timeout_s):
+            raise RuntimeError(f"{name} did not take the command {command} within {timeout_s:.0f} s")
+
+    def _finish_joiner(self, joiner: str, seen: int, timeout_s: float) -> tuple[bool, str]:
+        """Whether the joiner caught up, and its log since `seen`; then SIGKILLs it (it only came to download)."""
+        caught_up = self._wait_log(joiner, "caught up to outer step", seen, timeout_s)
+        log_text = self.cluster.log(joiner)[seen:]
+        self.cluster.kill_node(joiner)
+        self.cluster.nodes[joiner].wait()
+        return caught_up, log_text
+
+    def corrupt_chunk(self, target: str, joiner: str, timeout_s: float = 180) -> Fault:
+        """`target` serves its next snapshots with a bit flipped in every chunk; a new node joins and must
+        take those chunks from the other sources (its log names the corrupt chunks), then is killed."""
+        self._command(target, "corrupt-serving", "20")
+        seen_target = len(self.cluster.log(target))
+        if not self._wait_log(target, "with a bit flipped", seen_target, timeout_s):
+            raise RuntimeError(f"{target} published no corrupted snapshot within {timeout_s:.0f} s")
+        seen = len(self.cluster.log(joiner))
+        self.start_node(joiner)
+        fault = self._record("corrupt-chunk", target, f"joiner {joiner}")
+        caught_up, log_text = self._finish_joiner(joiner, seen, timeout_s)
+        if not caught_up:
+            fault.failed = f"{joiner} did not catch up within {timeout_s:.0f} s past {target}'s corrupt chunks"
+        elif "did not match their hash" not in log_text:
+            fault.detail += "; the joiner asked the other sources only (no corrupt chunk reached it)"
+        else:
+            fault.detail += f"; {log_text.count('did not match their hash')} fetch(es) caught corrupt chunks"
+        return fault
+
+    def kill_while_serving(self, target: str, joiner: str, timeout_s: float = 180) -> Fault:
+        """`target` serves slowly (0.4 s per chunk); a new node joins; the target is SIGKILLed while the
+        joiner downloads from it. The joiner must finish from the other sources, then is killed."""
+        self._command(target, "slow-serving", "0.4")
+        seen = len(self.cluster.log(joiner))
+        self.start_node(joiner)
+        if not self._wait_log(joiner, "joined run", seen, timeout_s):
+            self.cluster.kill_node(joiner)
+            raise RuntimeError(f"{joiner} was not admitted within {timeout_s:.0f} s")
+        time.sleep(0.3)  # its download is under way: the target's chunks take 0.4 s each
+        self.cluster.kill_node(target)
+        self.cluster.nodes[target].wait()
+        fault = self._record("kill-while-serving", target, f"joiner {joiner}")
+        caught_up, log_text = self._finish_joiner(joiner, seen, timeout_s)
+        if not caught_up:
+            fault.failed = f"{joiner} did not catch up within {timeout_s:.0f} s after its source {target} died"
+        elif "request(s) failed" in log_text:
+            fault.detail += "; the joiner's requests to the dead source failed over to the others"
+        else:
+            fault.detail += "; the joiner had nothing left to ask of the dead source"
+        return fault
 
     # ---- slow and stalled nodes ----------------------------------------------------------------------
     def pause(self, name: str, seconds: float) -> Fault:

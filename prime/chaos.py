@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 from elastic_mesh.process_tree import kill_tree
+from elastic_mesh.snapshots import Snapshot
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
@@ -30,20 +31,37 @@ class ChaosConfig(BaseModel):
     control_dir: str = Field(
         "", description="A directory a fault injector drops commands into while the node runs: a file `nan` "
                         "poisons the next pseudo-gradient, `kill-in-allreduce` kills the node between the phases of "
-                        "the next all-reduce ('' : none).")
+                        "the next all-reduce, `corrupt-serving` (text: seconds) serves the snapshots it publishes "
+                        "in that time with a bit flipped in every chunk, `slow-serving` (text: seconds) delays every chunk it "
+                        "serves from then on ('' : none).")
 
 
 def take_command(config: ChaosConfig, name: str) -> bool:
     """True once per command file dropped into control_dir (the first local rank to claim it wins)."""
+    return take_command_text(config, name) is not None
+
+
+def take_command_text(config: ChaosConfig, name: str) -> str | None:
+    """The text of a command file dropped into control_dir, once (None: no such command now)."""
     if not config.control_dir:
-        return False
+        return None
     path = Path(config.control_dir) / name
+    taken = path.with_name(f".{name}.taken.{os.getpid()}")
     try:
-        path.rename(path.with_name(f".{name}.taken.{os.getpid()}"))  # atomic: exactly one claimant
+        path.rename(taken)  # atomic: exactly one claimant
     except OSError:
-        return False
+        return None
     log.warning("chaos: command %r taken from %s", name, config.control_dir)
-    return True
+    return taken.read_text().strip()
+
+
+def corrupted(snapshot: Snapshot) -> Snapshot:
+    """The same manifest over bytes with one bit flipped in every chunk: what a faulty disk, a bad NIC or
+    a lying peer would serve. Fetchers must notice chunk by chunk and take those chunks elsewhere."""
+    blob, size = bytearray(snapshot.blob), snapshot.manifest["chunk_bytes"]
+    for offset in range(0, len(blob), size):
+        blob[offset] ^= 0x01
+    return Snapshot(snapshot.step, snapshot.manifest, bytes(blob))
 
 
 def kill_node(reason: str) -> None:

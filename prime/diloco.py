@@ -29,7 +29,7 @@ from elastic_mesh.collectives import CollectiveError, all_reduce_mean, decode_wi
 from elastic_mesh.client import CoordinatorError
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.snapshots import SnapshotError, build_snapshot
-from prime.chaos import ChaosConfig, kill_node, take_command
+from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
 from prime.optim import adam_state_tensors, load_adam_state
 
@@ -107,6 +107,7 @@ class DilocoHook:
         self._tokens_at_sync = 0
         self._publisher: threading.Thread | None = None
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
+        self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
@@ -140,6 +141,7 @@ class DilocoHook:
             kill_node(f"inner step {step}")
         if self.chaos.step_delay_s:
             time.sleep(self.chaos.step_delay_s)
+        self._take_serving_faults()
         if step % self.config.inner_steps:
             return None
         return self._round(trainer)
@@ -233,6 +235,22 @@ class DilocoHook:
         return record
 
     # ---- serving peers ---------------------------------------------------------------------------------
+    def _take_serving_faults(self) -> None:
+        if not self.chaos.control_dir:
+            return
+        if (text := take_command_text(self.chaos, "corrupt-serving")) is not None:
+            self._corrupt_until = time.monotonic() + float(text or 30)
+        if (text := take_command_text(self.chaos, "slow-serving")) is not None:
+            self.mesh.snapshots.serve_delay_s = float(text or 0.5)
+            log.warning("chaos: serving every snapshot chunk %.2f s late from now on", self.mesh.snapshots.serve_delay_s)
+
+    def _serve(self, step: int, tensors: dict[str, torch.Tensor], kind: str, meta: dict | None = None) -> None:
+        snapshot = build_snapshot(step, tensors, meta, chunk_bytes=self.mesh.config.snapshot_chunk_bytes)
+        if time.monotonic() < self._corrupt_until:
+            log.warning("chaos: serving the %s of outer step %d with a bit flipped in every chunk", kind, step)
+            snapshot = corrupted(snapshot)
+        self.mesh.snapshots.publish(snapshot, kind)
+
     def _publish(self, step: int, result, optimizer) -> None:
         """Snapshot of step k and the update that made it, built in the background (the outer state does
         not change until the next outer step, which waits for this thread first). The update travels as
@@ -243,9 +261,9 @@ class DilocoHook:
             return
         state = self.outer.state_tensor()
         inner = adam_state_tensors(optimizer, list(self.model.parameters()))
-        self.mesh.snapshots.publish(build_snapshot(step, inner), "inner")
+        self._serve(step, inner, "inner")
         if result is None:  # resumed from a checkpoint: the state, without the update that made it
-            self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
+            self._serve(step, {"state": state}, "snapshot")
             return
         if result.wire is not None:
             update = {"wire": result.wire}
@@ -254,8 +272,8 @@ class DilocoHook:
             update, meta = {"mean": result.mean}, {}
 
         def build() -> None:
-            self.mesh.snapshots.publish(build_snapshot(step, {"state": state}), "snapshot")
-            self.mesh.snapshots.publish(build_snapshot(step, update, meta), "update")
+            self._serve(step, {"state": state}, "snapshot")
+            self._serve(step, update, "update", meta)
         self._publisher = threading.Thread(target=build, daemon=True, name="snapshot-publisher")
         self._publisher.start()
 

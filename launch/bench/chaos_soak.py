@@ -1,7 +1,8 @@
 """Chaos soak: a local cluster takes ≥ 100 faults, one after another, while it trains.
 
 Faults (launch/chaos.py): SIGKILL in the inner steps, SIGKILL between the phases of an all-reduce,
-SIGKILL of a node that is joining, a short stall (SIGSTOP under the lease), a long stall (over the
+SIGKILL of a node that is joining, SIGKILL of a node while a joiner downloads from it, a node that
+serves snapshot chunks with a bit flipped while a joiner downloads from it, a short stall (SIGSTOP under the lease), a long stall (over the
 lease: declared dead, must rejoin by itself), a slowed node (50% duty for 10 s), a coordinator kill
 and restart, a NaN pseudo-gradient, hostile bytes on every listening port, a forged token, and with
 --wan a partition (the node's link down for longer than the lease, then healed). Killed nodes are
@@ -36,8 +37,8 @@ from prime.data.builtin_corpus import prepare  # noqa: E402
 
 LEASE_S = 3.0
 JOINER_HOSTS = 3
-KINDS = ["kill", "kill-in-allreduce", "kill-while-joining", "short-stall", "long-stall", "throttle",
-         "coordinator-restart", "nan-pseudo-gradient", "hostile-input", "forged-token"]
+KINDS = ["kill", "kill-in-allreduce", "kill-while-joining", "kill-while-serving", "corrupt-chunk", "short-stall",
+         "long-stall", "throttle", "coordinator-restart", "nan-pseudo-gradient", "hostile-input", "forged-token"]
 
 
 class Observer:
@@ -108,7 +109,9 @@ def soak(args) -> dict:
     names = [f"node{i}" for i in range(args.nodes)]
     overrides = ["--data.path", str(corpus), "--train.max_steps", "1000000", "--diloco.inner_steps", "5",
                  "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.05",
-                 "--mesh.transfer_timeout_s", "10", "--train.log_every", "1000"]
+                 "--mesh.transfer_timeout_s", "10", "--train.log_every", "1000",
+                 # the debug model's 1 MB state in 32 chunks, so every source serves some of a joiner's download
+                 "--mesh.snapshot_chunk_bytes", "32768"]
     wan = None
     if args.wan:
         from launch.wan import WanTopology
@@ -124,6 +127,7 @@ def soak(args) -> dict:
     watcher = None
     results: dict[str, list] = defaultdict(list)  # kind -> recovery seconds (None = hang)
     crashed, joiners, not_injected, slow_recoveries = 0, 0, 0, 0
+    failed: list[str] = []  # faults whose own check failed (a joiner that did not get past a bad source)
     full_strength: list[float] = []  # seconds from the end of a fault's effects to all nodes in sync again
     started = time.monotonic()
     try:
@@ -164,10 +168,15 @@ def soak(args) -> dict:
                     injector.kill(target)
                 elif kind == "kill-in-allreduce":
                     injector.kill_in_allreduce(target)
-                elif kind == "kill-while-joining":
+                elif kind in ("kill-while-joining", "kill-while-serving", "corrupt-chunk"):
                     joiners += 1
-                    target = f"joiner{joiners % JOINER_HOSTS}"  # a few hosts, reused: each joiner dies anyway
-                    injector.kill_while_joining(target)
+                    joiner = f"joiner{joiners % JOINER_HOSTS}"  # a few hosts, reused: each joiner dies anyway
+                    if kind == "kill-while-joining":
+                        injector.kill_while_joining(target := joiner)
+                    elif kind == "kill-while-serving":
+                        injector.kill_while_serving(target, joiner)
+                    else:
+                        injector.corrupt_chunk(target, joiner)
                 elif kind in ("short-stall", "long-stall"):
                     injector.pause(target, hold_s)
                 elif kind == "throttle":
@@ -189,10 +198,13 @@ def soak(args) -> dict:
             i += 1
             fault = injector.faults[-1]
             recovery = watcher.next_commit(fault.at, args.hang_s)
-            results[kind].append(recovery)
+            results[kind].append(recovery if not fault.failed else None)
+            if fault.failed:
+                failed.append(f"{kind}: {fault.failed}")
             print(f"fault {i:3d}/{args.faults}: {kind:<20} {fault.target:<12} "
                   + (f"next commit after {recovery:5.1f} s" if recovery is not None else "HANG: no commit")
-                  + f" (outer step {watcher.latest()})", flush=True)
+                  + f" (outer step {watcher.latest()})" + (f" {fault.detail}" if "joiner" in fault.detail else "")
+                  + (f" FAILED: {fault.failed}" if fault.failed else ""), flush=True)
             time.sleep(max(0.0, fault.at + hold_s - time.monotonic()))  # the fault runs its course
             if kind == "partition":
                 injector.heal(target)
@@ -214,7 +226,8 @@ def soak(args) -> dict:
     data = audit_data(cluster, corpus)
     recoveries = [r for rs in results.values() for r in rs if r is not None]
     return {"faults": sum(len(v) for v in results.values()),
-            "survived": len(recoveries), "hangs": sum(r is None for rs in results.values() for r in rs),
+            "survived": len(recoveries), "failed": failed,
+            "hangs": sum(r is None for rs in results.values() for r in rs) - len(failed),
             "crashed": crashed, "not_injected": not_injected, "slow_recoveries": slow_recoveries,
             "longest_back_to_full_strength_s": round(max(full_strength, default=0), 1),
             "outer_steps_committed": committed, "diverged_steps": len(diverged),
@@ -259,6 +272,8 @@ def main() -> int:
     print(f"{'fault':<22}{'injected':>9}{'survived':>9}{'longest s':>11}")
     for kind, row in result["by_kind"].items():
         print(f"{kind:<22}{row['injected']:>9}{row['survived']:>9}{row['longest_s']:>11}")
+    for why in result["failed"]:
+        print(f"  not survived: {why}")
     print(f"survived {result['survived']} of {result['faults']}; hangs {result['hangs']}; harness could not inject "
           f"{result['not_injected']}; nodes crashed on their own "
           f"{result['crashed']}; outer steps committed {result['outer_steps_committed']}; replicas diverged at "
@@ -274,7 +289,7 @@ def main() -> int:
         print(data["summary"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    ok = result["hangs"] == 0 and result["diverged_steps"] == 0 and result["crashed"] == 0 and \
+    ok = result["hangs"] == 0 and not result["failed"] and result["diverged_steps"] == 0 and result["crashed"] == 0 and \
         result["slow_recoveries"] == 0 and result["data"]["ok"]
     return 0 if ok else 1
 
