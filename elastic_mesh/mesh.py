@@ -8,6 +8,7 @@ over the local group (nothing is unpickled).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -66,13 +67,13 @@ class StepPlan:
         return [bool(m["contributes"]) for m in self.members]
 
 
-def node_hash(local_digest: bytes) -> str:
+def node_hash(local_digest: bytes, group: dist.ProcessGroup | None = None) -> str:
     """One hash for the node from every local rank's digest of its shard (a collective of the local group)."""
     mine = torch.frombuffer(bytearray(local_digest.ljust(32, b"\0")[:32]), dtype=torch.uint8)
     world = dist.get_world_size()
     gathered = [torch.empty(32, dtype=torch.uint8) for _ in range(world)]
     if world > 1:
-        dist.all_gather(gathered, mine)
+        dist.all_gather(gathered, mine, group=group)
     else:
         gathered = [mine]
     return hashlib.blake2b(b"".join(g.numpy().tobytes() for g in gathered), digest_size=8).hexdigest()
@@ -89,6 +90,7 @@ class ElasticDeviceMesh:
         self.heartbeat: Heartbeat | None = None
         self.telemetry = TelemetryBuffer()
         self._groups: dict[int, dist.ProcessGroup] = {}
+        self._local_group: dist.ProcessGroup | None = None  # None: the default (local) group
         # Every local rank serves its own shard's snapshots; the key arrives with the join answer.
         port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
         self.snapshots = SnapshotServer("0.0.0.0", port, key="", keep=config.snapshot_keep)
@@ -120,10 +122,10 @@ class ElasticDeviceMesh:
             return value
         data = json.dumps(value).encode() if self.local_rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0)
+        dist.broadcast(size, src=0, group=self._local_group)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.local_rank == 0 else torch.empty(
             int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src=0)
+        dist.broadcast(buf, src=0, group=self._local_group)
         return json.loads(buf.numpy().tobytes().decode())
 
     def gather(self, value: object) -> list:
@@ -132,13 +134,25 @@ class ElasticDeviceMesh:
             return [value]
         data = json.dumps(value).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.local_world)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._local_group)
         longest = int(max(s.item() for s in sizes))
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
         bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.local_world)]
-        dist.all_gather(bufs, mine)
+        dist.all_gather(bufs, mine, group=self._local_group)
         return [json.loads(b[:int(n.item())].numpy().tobytes().decode()) for b, n in zip(bufs, sizes)]
+
+    def background_view(self) -> "ElasticDeviceMesh":
+        """The same mesh whose local agreements and coordinator calls run over a second local Gloo group,
+        for one background thread (an outer step in flight while the inner steps run): two threads must
+        never interleave collectives on one group. Collective: every local rank calls it, in the same order."""
+        view = copy.copy(self)
+        view._local_group = dist.new_group(backend="gloo") if self.local_world > 1 else None
+        return view
+
+    def node_hash(self, local_digest: bytes) -> str:
+        """node_hash over this mesh's local group."""
+        return node_hash(local_digest, self._local_group)
 
     def _leader_call(self, call) -> dict:
         answer = None
@@ -260,7 +274,7 @@ class ElasticDeviceMesh:
         """True only if every local rank says ok (before anything is applied)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         if self.local_world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._local_group)
         return bool(flag.item())
 
     def close(self, leave: bool = True) -> None:

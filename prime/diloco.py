@@ -1,8 +1,10 @@
 """DiLoCo's outer loop: pseudo-gradients, the compressed all-reduce, the outer Nesterov step.
 
-It attaches to the plain inner loop as a StepHook and runs every `inner_steps` steps (the `blocking`
-mode: communication is not overlapped with compute). Each local rank owns fp32 CPU copies of its FSDP2
-shards (the outer params); its global group pairs it with the same shard on every other node.
+It attaches to the plain inner loop as a StepHook and runs every `inner_steps` steps. Each local rank
+owns fp32 CPU copies of its FSDP2 shards (the outer params, prime/outer_optimizer.py); its global group
+pairs it with the same shard on every other node. diloco.mode = blocking: the inner steps wait for the
+outer step. delayed: the outer step of round k is decided in a background thread while round k+1
+runs (prime/outer_exchange.py) and applied one round late, keeping the local progress made meanwhile.
 
 The round is all-or-nothing: the pseudo-gradients stay intact until the coordinator says every
 member's all-reduce succeeded ("apply"); on "abort" the same pseudo-gradients go into a retry with the
@@ -16,7 +18,6 @@ result against the hashes the coordinator committed, and enters the next round w
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -25,68 +26,16 @@ from pathlib import Path
 import torch
 
 from elastic_mesh.codecs import codec_for
-from elastic_mesh.collectives import CollectiveError, all_reduce_mean, decode_wire
-from elastic_mesh.client import CoordinatorError
+from elastic_mesh.collectives import decode_wire
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.snapshots import SnapshotError, build_snapshot
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
 from prime.optim import adam_state_tensors, load_adam_state
+from prime.outer_exchange import Exchange, InFlight, exchange
+from prime.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
-
-
-def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's piece of every parameter (the local shard of an FSDP2 DTensor, or the tensor itself)."""
-    return [p.to_local() if hasattr(p, "to_local") else p.data for p in model.parameters()]
-
-
-class OuterOptimizer:
-    """Outer params (fp32, CPU) and Nesterov SGD over them, for this rank's shards."""
-
-    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float) -> None:
-        self.outer = [s.detach().float().cpu().clone() for s in shards]
-        self.sizes = [t.numel() for t in self.outer]
-        self.optimizer = torch.optim.SGD(self.outer, lr=lr, momentum=momentum, nesterov=momentum > 0)
-
-    def pseudo_gradient(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """outer − inner, flattened (one collective for all parameters)."""
-        if not self.outer:
-            return torch.zeros(0)
-        return torch.cat([(o - s.detach().float().cpu()).reshape(-1) for o, s in zip(self.outer, shards)])
-
-    def step(self, mean_pseudo_gradient: torch.Tensor, shards: list[torch.Tensor]) -> None:
-        for o, g in zip(self.outer, mean_pseudo_gradient.split(self.sizes)):
-            o.grad = g.view_as(o).clone()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.copy_to(shards)
-
-    def copy_to(self, shards: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for o, s in zip(self.outer, shards):
-                s.copy_(o.view_as(s).to(device=s.device, dtype=s.dtype))
-
-    def state_tensor(self) -> torch.Tensor:
-        """Outer params then momentum buffers, flat: what a joiner needs."""
-        momentum = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
-        flat = [o.reshape(-1) for o in self.outer]
-        flat += [(m if m is not None else torch.zeros_like(o)).reshape(-1) for m, o in zip(momentum, self.outer)]
-        return torch.cat(flat) if flat else torch.zeros(0)
-
-    def load_state_tensor(self, state: torch.Tensor) -> None:
-        total = sum(self.sizes)
-        with torch.no_grad():
-            for o, piece in zip(self.outer, state[:total].split(self.sizes)):
-                o.copy_(piece.view_as(o))
-            for o, piece in zip(self.outer, state[total:].split(self.sizes)):
-                self.optimizer.state[o]["momentum_buffer"] = piece.view_as(o).clone()
-
-    def digest(self) -> bytes:
-        h = hashlib.blake2b(digest_size=32)
-        for o in self.outer:
-            h.update(o.numpy().tobytes())
-        return h.digest()
 
 
 class StateMismatch(RuntimeError):
@@ -107,10 +56,16 @@ class DilocoHook:
         self._tokens_at_sync = 0
         self._publisher: threading.Thread | None = None
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
+        self._inflight: InFlight | None = None  # delayed: the outer step decided while this round runs
+        self._round_start: list[torch.Tensor] | None = None  # delayed: where this round began (None: the outer params)
+        # delayed: the background thread's coordinator calls and agreements use their own local group
+        self._background_mesh = mesh.background_view() if config.mode == "delayed" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
+        if restored and self.config.mode == "delayed":
+            self.outer.copy_to(local_shards(self.model))  # the checkpoint's local progress was never averaged
         if restored and restored == committed:  # resumed from a checkpoint of the run's newest step
             self._publish(restored, None, trainer.optimizer)  # others resumed may hold older checkpoints
             trainer.progress.note(f"resumed at outer step {restored} (the run's newest), hash "
@@ -121,10 +76,18 @@ class DilocoHook:
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer."""
         self._wait_for_publisher()
-        return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(self.outer_step)}
+        step = self.outer_step
+        if self._inflight is not None and self._inflight.wait().status == "applied":
+            step = self._inflight.step  # applied to the outer params already; the model keeps its local progress
+        return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(step)}
 
     def on_end(self, trainer) -> None:
         """Keeps serving for a while after the last step, so a node still catching up can finish too."""
+        if self._inflight is not None:  # a run that ends between outer steps: it ends on the last average
+            if self._inflight.wait().status == "applied":
+                self.outer_step = self._inflight.step
+                self.outer.copy_to(local_shards(self.model))
+            self._inflight = None
         if not self.config.serve_snapshots:
             return
         self._wait_for_publisher()
@@ -144,95 +107,157 @@ class DilocoHook:
         self._take_serving_faults()
         if step % self.config.inner_steps:
             return None
-        return self._round(trainer)
+        return self._delayed_round(trainer) if self.config.mode == "delayed" else self._round(trainer)
+
+    def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
+                  contributes: bool = True) -> Exchange:
+        return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor, self._fault(step),
+                        contributes)
+
+    def _out_of_step(self, trainer, exchange: Exchange) -> dict:
+        """The coordinator went on without this node (or dropped it): this round's work is thrown away and
+        the node catches up from its peers, without anyone waiting for it."""
+        self._round_start = None
+        if exchange.status == "dropped":
+            self.mesh.rejoin()
+            if self._background_mesh is not None:
+                self._background_mesh.joined = self.mesh.joined
+            self._settle_data(trainer, "forget")
+            return self._catch_up(trainer, full=False)  # its own state may still be good: replay onto it
+        self._settle_data(trainer, "rewind")
+        return self._catch_up(trainer, full=exchange.status == "resync")
+
+    def _commit(self, mesh: ElasticDeviceMesh, step: int) -> str:
+        model_hash = mesh.node_hash(self.outer.digest())
+        commit = mesh.commit(step, model_hash)
+        if commit.get("status") == "diverged":
+            log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", mesh.name,
+                      model_hash, commit.get("majority_hash"), step)
+        return model_hash
+
+    def _round_data(self, trainer, mark: bool = False) -> list[dict]:
+        """What every worker of this node read this round; the coordinator records it with the step."""
+        if trainer.leased is None:
+            return [r for worker in self.mesh.gather([]) for r in worker]
+        mine = trainer.leased.mark() if mark else trainer.leased.report()
+        return [r for worker in self.mesh.gather(mine) for r in worker]
+
+    def _poison(self, pseudo: torch.Tensor, step: int) -> None:
+        if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
+            pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
 
     def _round(self, trainer) -> dict:
+        """blocking: the inner steps wait while the outer step is decided."""
         started = time.perf_counter()
         self._wait_for_publisher()
         shards = local_shards(self.model)
         step = self.outer_step + 1
         pseudo = self.outer.pseudo_gradient(shards)
-        # What every worker of this node read this round; the coordinator records it with the step.
-        data = [r for worker in self.mesh.gather(trainer.leased.report() if trainer.leased else []) for r in worker]
-        if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
-            pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
-        while True:
-            try:
-                if self.mesh.dropped:
-                    raise CoordinatorError("declared dead while it could not reach the coordinator", 410)
-                plan = self.mesh.plan(step)
-            except CoordinatorError as e:
-                if e.status not in (401, 410):
-                    raise
-                log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
-                            self.mesh.name, e)
-                self.mesh.rejoin()
-                self._settle_data(trainer, "forget")
-                return self._catch_up(trainer, full=False)  # its own state may still be good: replay onto it
-            if plan.status in ("missed", "resync"):
-                log.warning("%s: outer step %d %s; this round's work is dropped and the node catches up from peers",
-                            self.mesh.name, step, "went on without this node" if plan.status == "missed" else
-                            "showed this node diverged")
-                self._settle_data(trainer, "rewind")
-                return self._catch_up(trainer, full=plan.status == "resync")
-            result, ok, blame = None, True, []
-            try:
-                if not self.mesh.agree(True):
-                    raise CollectiveError("another local rank failed before the transfer", "start")
-                pg = self.mesh.group(plan)
-                valid = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
-                result = all_reduce_mean(pg, pseudo, self.codec, plan.contributes, valid=valid,
-                                         outlier_factor=self.config.outlier_factor, on_phase=self._fault(step))
-            except (CollectiveError, CoordinatorError, RuntimeError) as e:
-                ok, blame = False, getattr(e, "blame", [])
-                log.warning("%s: outer step %d attempt %d failed: %s", self.mesh.name, step, plan.attempt,
-                            str(e).splitlines()[0][:200])
-            ok = self.mesh.agree(ok)
-            refused = result.refused if result else {}
-            seconds = result.seconds if result else 0.0
-            try:
-                decision = self.mesh.vote(plan, ok, refused, blame, seconds, data)
-            except CoordinatorError as e:
-                if e.status not in (401, 410):
-                    raise
-                log.warning("%s was dropped during outer step %d (%s); joining again", self.mesh.name, step, e)
-                self.mesh.rejoin()
-                self._settle_data(trainer, "forget")
-                return self._catch_up(trainer, full=False)
-            if decision == "apply" and ok:
-                break
-            self.mesh.drop_group(plan.epoch)
-            log.warning("%s: outer step %d will be retried with the pseudo-gradients kept", self.mesh.name, step)
-
-        for rank, why in result.refused.items():
-            log.warning("%s: outer step %d refused %s's pseudo-gradient: %s", self.mesh.name, step,
-                        plan.members[rank]["name"], why)
-        self.outer.step(result.mean, shards)
-        contributed = plan.rank in result.contributors
-        self._settle_data(trainer, "committed" if contributed else "rewind")
-        if contributed:
+        data = self._round_data(trainer)
+        self._poison(pseudo, step)
+        exchange = self._exchange(self.mesh, step, pseudo, data)
+        if exchange.status != "applied":
+            return self._out_of_step(trainer, exchange)
+        self.outer.step(exchange.result.mean, shards)
+        self._settle_data(trainer, "committed" if exchange.contributed else "rewind")
+        if exchange.contributed:
             self.tokens_contributed += trainer.tokens_seen - self._tokens_at_sync
         self._tokens_at_sync = trainer.tokens_seen
         self.outer_step = step
         if trainer.step != step * self.config.inner_steps:
             trainer.jump_to_step(step * self.config.inner_steps)
-        model_hash = node_hash(self.outer.digest())
-        commit = self.mesh.commit(step, model_hash)
-        if commit.get("status") == "diverged":
-            log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", self.mesh.name,
-                      model_hash, commit.get("majority_hash"), step)
-        self._publish(step, result, trainer.optimizer)
-        elapsed = time.perf_counter() - started
-        record = {"outer_step": step, "epoch": plan.epoch, "members": len(result.contributors),
+        model_hash = self._commit(self.mesh, step)
+        self._publish(step, exchange.result, trainer.optimizer)
+        return self._record(trainer, exchange, model_hash, time.perf_counter() - started)
+
+    def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float) -> dict:
+        plan, result = exchange.plan, exchange.result
+        delayed = self.config.mode == "delayed"
+        record = {"outer_step": exchange.step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
-                  "outer_s": round(elapsed, 4), "bytes_sent": result.bytes_sent,
-                  "bytes_received": result.bytes_received, "model_hash": model_hash, "step": trainer.step,
-                  "tokens_contributed": self.tokens_contributed,
+                  "outer_s": round(waited_s, 4), "exchange_s": round(exchange.seconds, 4),
+                  "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
+                  "model_hash": model_hash, "step": trainer.step, "tokens_contributed": self.tokens_contributed,
                   "refused": [plan.members[r]["name"] for r in result.refused]}
-        trainer.progress.note(f"outer step {step}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
-                              f"nodes averaged, all-reduce {result.seconds:.2f} s, {result.bytes_sent / 1e6:.2f} MB "
-                              f"sent, round {elapsed:.2f} s, hash {model_hash}")
+        trainer.progress.note(
+            f"outer step {exchange.step}{' (applied one round late)' if delayed else ''}: epoch {plan.epoch}, "
+            f"{len(result.contributors)}/{plan.world_size} nodes averaged, all-reduce {result.seconds:.2f} s"
+            f"{' in the background' if delayed else ''}, {result.bytes_sent / 1e6:.2f} MB sent, "
+            f"{'inner steps waited' if delayed else 'round'} {waited_s:.2f} s, hash {model_hash}")
         return record
+
+    # ---- delayed: the outer step of round k is decided while round k+1 runs --------------------------------
+    def _delayed_round(self, trainer) -> dict | None:
+        """Round k ends. Its pseudo-gradient Δk (from where the round began) goes to the background; the
+        outer step of round k−1, decided meanwhile, is applied now, keeping this round's progress:
+        θ ← outer(k−1) − Δk. So every node's outer params stay identical while nobody waits for the
+        network, and the average is applied one round late (one-step-delayed DiLoCo)."""
+        started = time.perf_counter()
+        shards = local_shards(self.model)
+        inflight, self._inflight = self._inflight, None
+        step = inflight.step + 1 if inflight else self.outer_step + 1
+        pseudo = self.outer.pseudo_gradient(shards, self._round_start)
+        self._poison(pseudo, step)
+        record, contribute = None, True
+        if inflight is not None:
+            exchange = inflight.wait()
+            if exchange.status != "applied":
+                return self._out_of_step(trainer, exchange)  # this round's reading is rewound with the last one's
+            record = self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
+            if not exchange.contributed and not inflight.rewound:
+                # Its reading of round k−1 is read again, so is everything after it: this round's progress
+                # is dropped and the node enters step k without a contribution.
+                self._settle_data(trainer, "rewind")
+                contribute = False
+        finite = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
+        data = self._round_data(trainer, mark=True) if contribute else []  # the same on every local rank
+        rewound = not contribute
+        if contribute and finite:
+            self.outer.copy_to(shards, minus=pseudo)  # the new outer params, plus this round's local progress
+        else:
+            self.outer.copy_to(shards)  # nothing local worth keeping (refused, or not finite: peers refuse it)
+            if contribute:  # Δk goes out as it is, for the peers to refuse; its reading is read again
+                self._settle_data(trainer, "rewind")
+                rewound = True
+            else:
+                pseudo = torch.zeros_like(pseudo)
+        self._round_start = [s.detach().float().cpu().clone() for s in shards]
+        tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
+        inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
+            if self.config.serve_snapshots else None
+        if trainer.step >= trainer.config.train.max_steps:  # the last round: end on the average, blocking
+            if record:
+                trainer.metrics.write(record)
+            exchange = self._background_exchange(self.mesh, step, pseudo, data, contribute, inner)
+            if exchange.status != "applied":
+                return self._out_of_step(trainer, exchange)
+            self.outer.copy_to(shards)
+            self._round_start = None
+            return self._applied_late(trainer, exchange, InFlight(step, tokens, rewound),
+                                      time.perf_counter() - started)
+        self._inflight = InFlight(step, tokens, rewound).start(
+            lambda: self._background_exchange(self._background_mesh, step, pseudo, data, contribute, inner))
+        return record
+
+    def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
+                             contribute: bool, inner: dict | None) -> Exchange:
+        """The outer step of a delayed round: decided, applied to the outer params (not the model),
+        committed and served to peers, all while the next round's inner steps run."""
+        exchange = self._exchange(mesh, step, pseudo, data, contribute)
+        if exchange.status == "applied":
+            self.outer.apply(exchange.result.mean)
+            exchange.model_hash = self._commit(mesh, step)
+            if self.config.serve_snapshots:
+                self._serve(step, inner, "inner")
+                self._serve_state_and_update(step, self.outer.state_tensor(), exchange.result)
+        return exchange
+
+    def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
+        self.outer_step = exchange.step
+        if exchange.contributed:
+            self._settle_data(trainer, "committed")  # to the mark: the reading of the round it averaged
+            self.tokens_contributed += inflight.tokens
+        return self._record(trainer, exchange, exchange.model_hash, waited_s)
 
     # ---- serving peers ---------------------------------------------------------------------------------
     def _take_serving_faults(self) -> None:
@@ -265,17 +290,18 @@ class DilocoHook:
         if result is None:  # resumed from a checkpoint: the state, without the update that made it
             self._serve(step, {"state": state}, "snapshot")
             return
+        self._publisher = threading.Thread(target=self._serve_state_and_update, args=(step, state, result),
+                                           daemon=True, name="snapshot-publisher")
+        self._publisher.start()
+
+    def _serve_state_and_update(self, step: int, state: torch.Tensor, result) -> None:
         if result.wire is not None:
             update = {"wire": result.wire}
             meta = {"codec": self.codec.name, "chunk": result.chunk, "total": result.mean.numel()}
         else:  # nobody contributed: the mean is zeros, sent as is
             update, meta = {"mean": result.mean}, {}
-
-        def build() -> None:
-            self._serve(step, {"state": state}, "snapshot")
-            self._serve(step, update, "update", meta)
-        self._publisher = threading.Thread(target=build, daemon=True, name="snapshot-publisher")
-        self._publisher.start()
+        self._serve(step, {"state": state}, "snapshot")
+        self._serve(step, update, "update", meta)
 
     def _wait_for_publisher(self) -> None:
         if self._publisher is not None:

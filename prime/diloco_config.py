@@ -13,6 +13,10 @@ class DilocoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps between outer steps.")
+    mode: Literal["blocking", "delayed"] = Field(
+        "blocking", description="blocking: the inner steps wait for each outer step. delayed: the outer step of "
+                                "round k is decided in the background while round k+1 runs and applied one round "
+                                "late, keeping the local progress made meanwhile (hides the WAN; see README).")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(

@@ -13,7 +13,7 @@ from elastic_mesh.collectives import all_reduce_mean
 from launch.cluster import LocalCluster
 from prime.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.diloco import OuterOptimizer
+from prime.outer_optimizer import OuterOptimizer
 from prime.model import build_model
 from tests.conftest import REPO, run_train
 

@@ -1,11 +1,14 @@
-"""Benchmark: compute utilisation of blocking DiLoCo across an emulated WAN.
+"""Benchmark: compute utilisation of DiLoCo across an emulated WAN, per diloco.mode, side by side.
 
-The same nodes (each in its own namespace behind the chosen profile) train the same config twice:
-once as a DiLoCo run (int8 all-reduce every H steps over the WAN), once with communication switched
-off (each node trains alone, no coordinator). Utilisation = tokens/s with communication / tokens/s
-without, measured over the same number of inner steps. INTELLECT-1: 83% globally, 96% in the US.
+The same nodes (each in its own namespace behind the chosen profile) train the same config once per
+mode (int8 all-reduce every H steps over the WAN: `blocking` waits for it, `delayed` runs it behind
+the next round) and once with communication switched off (each node trains alone, no coordinator).
+Utilisation = tokens/s with communication / tokens/s without, over the same inner steps: the whole
+run, and the steady state (rounds 2 to the one before last: the first holds start-up, and the last
+round of `delayed` waits for its own all-reduce so the run ends on the average). Also prints each
+mode's final eval loss (equal tokens). INTELLECT-1: 83% globally, 96% in the US.
 
-    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 100] [--inner-steps 25]
+    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25]
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ from launch.wan import PROFILES, WanTopology  # noqa: E402
 from prime.data.builtin_corpus import prepare  # noqa: E402
 
 
-def tokens_per_s(cluster: LocalCluster, names: list[str]) -> float:
+def tokens_per_s(cluster: LocalCluster, names: list[str], first: int = 0, last: int | None = None) -> float:
+    """Tokens/s of all nodes together between inner steps first and last (every step's record)."""
     total, spans = 0, []
     for name in names:
-        steps = [r for r in cluster.metrics(name) if "loss" in r]
+        steps = [r for r in cluster.metrics(name) if "loss" in r and first <= r["step"] <= (last or r["step"])]
         total += steps[-1]["tokens"] - steps[0]["tokens"]
         spans.append(steps[-1]["time"] - steps[0]["time"])
     return total / max(spans)
+
+
+def final_eval(cluster: LocalCluster, name: str) -> float:
+    return [r["eval_loss"] for r in cluster.metrics(name) if "eval_loss" in r][-1]
 
 
 def main() -> int:
@@ -38,28 +46,20 @@ def main() -> int:
                                      epilog="example: python launch/bench/utilisation.py --profile global --steps 100")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="global")
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--inner-steps", type=int, default=25)
+    parser.add_argument("--modes", default="blocking,delayed", help="diloco.mode values to compare, comma-separated")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     args = parser.parse_args()
     corpus = prepare()
     names = [f"node{i}" for i in range(args.nodes)]
+    H = args.inner_steps
     overrides = ["--data.path", str(corpus), "--train.max_steps", str(args.steps), "--diloco.inner_steps",
-                 str(args.inner_steps), "--train.eval_every", "0", "--checkpoint.every", "0",
-                 "--mesh.transfer_timeout_s", "120"]
-    rates = {}
+                 str(H), "--train.eval_every", "0", "--checkpoint.every", "0", "--mesh.transfer_timeout_s", "120"]
+    steady = (H, args.steps - H)  # from the end of round 1 to the start of the last round
+    rows = {}
     with WanTopology(["coordinator", *names], args.profile) as wan, tempfile.TemporaryDirectory() as tmp:
         print(wan.describe(), flush=True)
-        with LocalCluster(Path(tmp) / "diloco", args.config, overrides, wan=wan,
-                          coordinator_args=["--min-wait-s", "60"]) as c:
-            c.start_coordinator(start_nodes=args.nodes)
-            for name in names:
-                c.start_node(name)
-            if any(code != 0 for code in c.wait_nodes(3600).values()):
-                raise SystemExit(c.log("node0")[-2000:])
-            rates["diloco"] = tokens_per_s(c, names)
-            outer = [r for r in c.outer_records("node0").values()]
-            allreduce = sum(r["allreduce_s"] for r in outer)
         # Communication off: the same processes in the same namespaces, no --join.
         solo = LocalCluster(Path(tmp) / "solo", args.config, overrides, wan=wan)
         procs = []
@@ -72,12 +72,32 @@ def main() -> int:
                                           stderr=subprocess.DEVNULL))
         for p in procs:
             p.wait(timeout=3600)
-        rates["solo"] = tokens_per_s(solo, names)
-    print(f"{args.nodes} nodes, {args.config}, H={args.inner_steps}, {args.steps} inner steps, profile "
-          f"{args.profile} (backend {wan.backend})")
-    print(f"tokens/s with DiLoCo over the WAN: {rates['diloco']:.0f}; with communication off: {rates['solo']:.0f}")
-    print(f"compute utilisation: {rates['diloco'] / rates['solo'] * 100:.1f}% "
-          f"({len(outer)} outer steps, {allreduce:.1f} s in all-reduces on node0)")
+        solo_rate, solo_steady = tokens_per_s(solo, names), tokens_per_s(solo, names, *steady)
+        print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
+        for mode in args.modes.split(","):
+            with LocalCluster(Path(tmp) / mode, args.config, [*overrides, "--diloco.mode", mode], wan=wan,
+                              coordinator_args=["--min-wait-s", "60"]) as c:
+                c.start_coordinator(start_nodes=args.nodes)
+                for name in names:
+                    c.start_node(name)
+                if any(code != 0 for code in c.wait_nodes(3600).values()):
+                    raise SystemExit(c.log("node0")[-2000:])
+                outer = list(c.outer_records("node0").values())
+                rows[mode] = {"rate": tokens_per_s(c, names), "steady": tokens_per_s(c, names, *steady),
+                              "eval": final_eval(c, "node0"), "outer_steps": len(outer),
+                              "allreduce_s": sum(r["allreduce_s"] for r in outer),
+                              "waited_s": sum(r["outer_s"] for r in outer)}
+                row = rows[mode]
+                print(f"{mode}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
+                      f"(steady {row['steady'] / solo_steady:.1%}), eval loss {row['eval']:.4f}", flush=True)
+    print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
+          f"(backend {wan.backend}); steady state = inner steps {steady[0]}-{steady[1]}")
+    print(f"{'mode':<10}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
+          f"{'eval loss':>11}{'vs blocking':>13}")
+    base = rows.get("blocking", next(iter(rows.values())))["eval"]
+    for mode, row in rows.items():
+        print(f"{mode:<10}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
+              f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}{row['eval'] / base:>13.4f}")
     return 0
 
 

@@ -58,6 +58,7 @@ class LeasedSequenceStream:
         self.shards, self.tokenizer, self.seq_len, self.text_field = shards, tokenizer, seq_len, text_field
         self.lease, self.worker = lease, worker
         self.held: list[HeldShard] = []  # in reading order; all but the last are finished
+        self._mark: dict[int, tuple[tuple[int, int], bool]] | None = None  # id(held shard) -> (end, finished)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
@@ -95,18 +96,32 @@ class LeasedSequenceStream:
         # node's vote anyway, and the node forgets these leases when it rejoins.
         return [h.report(self.worker) for h in self.held if h.pass_ >= 0 and (h.finished or h.end != h.start)]
 
+    def mark(self) -> list[dict]:
+        """A round ends while reading goes on (the delayed mode: its outer step is decided during the next
+        round): what it read, to report now, and the point the next committed() moves the cursors to."""
+        self._mark = {id(h): (h.end, h.finished) for h in self.held}
+        return self.report()
+
     def committed(self) -> None:
-        """The step averaged this worker's reading: cursors move on, finished shards go back to the pool.
-        In place: a running iterator goes on with the shard it is reading, without re-reading the file."""
-        self.held[:] = [h for h in self.held if not h.finished]
+        """The step averaged this worker's reading: cursors move on (to the mark, if a round was marked),
+        finished shards go back to the pool. In place: a running iterator goes on with the shard it is
+        reading, without re-reading the file."""
+        marks, self._mark = self._mark, None
+        kept = []
         for h in self.held:
-            h.start = h.end
+            end, finished = marks.get(id(h), (h.start, False)) if marks is not None else (h.end, h.finished)
+            if not finished:
+                h.start = end
+                kept.append(h)
+        self.held[:] = kept
 
     def rewind(self) -> None:
         """The step did not average this worker's reading: read the same tokens again (the caller starts a
         new iterator)."""
+        self._mark = None
         self.held = [HeldShard(h.shard, h.pass_, h.start, h.start) for h in self.held if h.pass_ >= 0]
 
     def forget(self) -> None:
         """The coordinator dropped this node: its leases went back to the pool; lease anew."""
+        self._mark = None
         self.held = []

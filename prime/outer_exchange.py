@@ -1,0 +1,117 @@
+"""One outer step as a node takes part in it: plan, all-reduce, vote, retried until the coordinator
+applies it or leaves the node out. It never touches the model or the outer params, so it can run in a
+background thread (diloco.mode = delayed) while the inner steps go on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from elastic_mesh.client import CoordinatorError
+from elastic_mesh.codecs import Codec
+from elastic_mesh.collectives import AllReduceResult, CollectiveError, all_reduce_mean
+from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Exchange:
+    """One outer step as the coordinator decided it for this node."""
+
+    step: int
+    status: str  # applied | missed | resync | dropped
+    plan: StepPlan | None = None
+    result: AllReduceResult | None = None
+    contributed: bool = False
+    seconds: float = 0.0  # from the first plan to the decision, retries included
+    model_hash: str = ""  # delayed: committed by the background thread
+
+
+class InFlight:
+    """A delayed round's outer step, decided in a background thread while the next round runs."""
+
+    def __init__(self, step: int, tokens: int, rewound: bool) -> None:
+        self.step, self.tokens = step, tokens  # tokens: read by the round it averages
+        self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient)
+        self._thread: threading.Thread | None = None
+        self._exchange: Exchange | None = None
+        self._error: BaseException | None = None
+
+    def start(self, run) -> "InFlight":
+        def target() -> None:
+            try:
+                self._exchange = run()
+            except BaseException as e:  # re-raised in the training thread, which owns the node's fate
+                self._error = e
+        self._thread = threading.Thread(target=target, daemon=True, name=f"outer-step-{self.step}")
+        self._thread.start()
+        return self
+
+    def wait(self) -> Exchange:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._exchange
+
+
+def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict], codec: Codec,
+             outlier_factor: float, on_phase: Callable[[str], None] | None = None,
+             contributes: bool = True) -> Exchange:
+    """Takes part in outer step `step` until the coordinator applies it (after an abort the same
+    pseudo-gradient goes into a retry with the survivors) or says this node is out of it. Does not
+    touch the model or the outer params: safe in a background thread (with mesh.background_view())."""
+    started = time.perf_counter()
+    while True:
+        try:
+            if mesh.dropped:
+                raise CoordinatorError("declared dead while it could not reach the coordinator", 410)
+            plan = mesh.plan(step, contributes)
+        except CoordinatorError as e:
+            if e.status not in (401, 410):
+                raise
+            log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
+                        mesh.name, e)
+            return Exchange(step, "dropped")
+        if plan.status in ("missed", "resync"):
+            log.warning("%s: outer step %d %s; this round's work is dropped and the node catches up from peers",
+                        mesh.name, step, "went on without this node" if plan.status == "missed" else
+                        "showed this node diverged")
+            return Exchange(step, plan.status, plan)
+        result, ok, blame = None, True, []
+        try:
+            if not mesh.agree(True):
+                raise CollectiveError("another local rank failed before the transfer", "start")
+            pg = mesh.group(plan)
+            valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
+            result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
+                                     outlier_factor=outlier_factor, on_phase=on_phase)
+        except (CollectiveError, CoordinatorError, RuntimeError) as e:
+            ok, blame = False, getattr(e, "blame", [])
+            log.warning("%s: outer step %d attempt %d failed: %s", mesh.name, step, plan.attempt,
+                        str(e).splitlines()[0][:200])
+        ok = mesh.agree(ok)
+        refused = result.refused if result else {}
+        seconds = result.seconds if result else 0.0
+        try:
+            decision = mesh.vote(plan, ok, refused, blame, seconds, data)
+        except CoordinatorError as e:
+            if e.status not in (401, 410):
+                raise
+            log.warning("%s was dropped during outer step %d (%s); joining again", mesh.name, step, e)
+            return Exchange(step, "dropped")
+        if decision == "apply" and ok:
+            break
+        mesh.drop_group(plan.epoch)
+        log.warning("%s: outer step %d will be retried with the pseudo-gradients kept", mesh.name, step)
+    for rank, why in result.refused.items():
+        log.warning("%s: outer step %d refused %s's pseudo-gradient: %s", mesh.name, step,
+                    plan.members[rank]["name"], why)
+    return Exchange(step, "applied", plan, result, plan.rank in result.contributors,
+                    seconds=time.perf_counter() - started)

@@ -1,0 +1,81 @@
+"""diloco.mode = delayed end to end: the outer step of round k is decided in a background thread while
+round k+1 runs, and applied one round late. Real coordinator, torchrun nodes, Gloo and SIGKILLs."""
+
+from __future__ import annotations
+
+from launch.cluster import wait_for
+from tests.test_multinode import assert_exactly_once, assert_identical, cluster
+
+DELAYED = ["--diloco.mode", "delayed"]
+
+
+def waited(c, name: str) -> list[float]:
+    return [r["outer_s"] for r in c.outer_records(name).values()]
+
+
+def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
+    with cluster(tmp_path, corpus, 2, steps=30, nproc=2, extra=[*DELAYED, "--data.parts_per_file", "2"]) as c:
+        c.start_node("a")
+        c.start_node("b")
+        assert c.wait_nodes(240) == {"a": 0, "b": 0}, c.log("a")[-3000:]
+        assert_identical(c, ["a", "b"], range(1, 7))
+        records = c.outer_records("a")
+        assert sorted(records) == [1, 2, 3, 4, 5, 6] and all(r["members"] == 2 for r in records.values())
+        assert "applied one round late" in c.log("a")
+        # The run ends on the average: the last outer step is applied to the model too (both nodes' final
+        # eval, on the same weights and data, is the same number).
+        evals = [[r["eval_loss"] for r in c.metrics(n) if "eval_loss" in r][-1] for n in ("a", "b")]
+        assert evals[0] == evals[1], evals
+        losses = [r["loss"] for r in c.metrics("a") if "loss" in r]
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+        assert_exactly_once(c, corpus, parts_per_file=2)
+
+
+def test_delayed_kill_mid_all_reduce_keeps_the_round(tmp_path, corpus):
+    """node2 dies between the phases of outer step 2's all-reduce, which runs in the background: the
+    survivors retry it with the pseudo-gradients kept, while their inner steps go on."""
+    with cluster(tmp_path, corpus, 3, extra=DELAYED) as c:
+        for name in ("node0", "node1"):
+            c.start_node(name)
+        c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
+        codes = c.wait_nodes(240)
+        assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None), c.log("node0")[-3000:]
+        assert_identical(c, ["node0", "node1"], range(1, 7))
+        step2 = c.outer_records("node0")[2]
+        assert step2["attempt"] >= 2 and step2["members"] == 2, step2
+        assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+        assert_exactly_once(c, corpus)
+
+
+def test_delayed_non_finite_round_is_refused_and_read_again(tmp_path, corpus):
+    """node1's round-2 pseudo-gradient is NaN: the peers refuse it; node1 keeps none of that round's
+    progress (nor of round 3, which followed the refused reading), and reads both again."""
+    with cluster(tmp_path, corpus, 3, steps=25, extra=DELAYED) as c:
+        c.start_node("node0")
+        c.start_node("node1", ["--chaos.nan_at_outer_step", "2"])
+        c.start_node("node2")
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
+        assert_identical(c, ["node0", "node1", "node2"], range(1, 6))
+        records = c.outer_records("node0")
+        assert records[2]["refused"] == ["node1"] and records[2]["members"] == 2, records[2]
+        assert records[4]["members"] == 3, records  # contributing again once healthy
+        losses = [r["loss"] for r in c.metrics("node1") if "loss" in r]
+        assert all(loss == loss for loss in losses), losses  # a NaN never reached its weights
+        assert_exactly_once(c, corpus)
+
+
+def test_delayed_join_takes_a_snapshot_and_contributes(tmp_path, corpus):
+    slow = ["--chaos.step_delay_s", "0.2", *DELAYED]
+    with cluster(tmp_path, corpus, 2, steps=100, extra=DELAYED) as c:
+        c.start_node("node0", slow)
+        c.start_node("node1", slow)
+        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
+        c.start_node("late")
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
+        late = c.outer_records("late")
+        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+    assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0, caught
+    first = min(late)
+    assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught, late[first])
+    assert_identical(c, ["node0", "node1", "late"], range(first, 21))
+    assert_exactly_once(c, corpus)
