@@ -9,6 +9,10 @@ partial sums at every hop would):
 2. gather: member j encodes its mean chunk once and sends it to every other member (pairwise steps). Every member, j included, decodes
    the same bytes, so all members end with bit-identical results.
 
+With several groups (one TCP connection per peer pair each: mesh.streams_per_peer), the tensor is
+cut into one stripe per group and the stripes move at once: a single TCP stream on a long, lossy path
+is capped by loss recovery (≈ MSS / RTT × 1.22 / √loss) well below the link rate.
+
 Before the data moves, members exchange a small header (finite? norm?), so a member whose tensor is
 non-finite or absurdly large is left out of the mean by everyone alike and named. Received scales are
 checked too: a peer that lies in its header and sends garbage is named in the error.
@@ -17,6 +21,7 @@ checked too: a peer that lies in its header and sends garbage is named in the er
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -43,17 +48,22 @@ class AllReduceResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-    # The encoded mean exactly as every member decoded it (chunk `chunk` of owner r at r × its encoded
-    # size): a peer that missed the step replays it from these bytes, bit-identically and compressed.
+    # The encoded mean exactly as every member decoded it: per stripe (`layout`: [chunk, elements, members]),
+    # chunk of owner r at r × its encoded size. A peer that missed the step replays it from these bytes,
+    # bit-identically and compressed.
     wire: torch.Tensor | None = None
-    chunk: int = 0
+    layout: list[list[int]] = field(default_factory=list)
 
 
-def decode_wire(wire: torch.Tensor, codec: Codec, chunk: int, total: int) -> torch.Tensor:
+def decode_wire(wire: torch.Tensor, codec: Codec, layout: list[list[int]]) -> torch.Tensor:
     """The mean an all-reduce produced, from its `wire` bytes (what each member computed, bit for bit)."""
-    encoded = codec.encoded_size(chunk)
-    world = wire.numel() // encoded
-    return torch.cat([codec.decode(wire[r * encoded:(r + 1) * encoded], chunk) for r in range(world)])[:total]
+    out, offset = [], 0
+    for chunk, elements, world in layout:
+        encoded = codec.encoded_size(chunk)
+        pieces = [codec.decode(wire[offset + r * encoded:offset + (r + 1) * encoded], chunk) for r in range(world)]
+        out.append(torch.cat(pieces)[:elements])
+        offset += encoded * world
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def _wait(work, phase: str) -> None:
@@ -113,23 +123,25 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
     arrived(done)
 
 
-def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributes: list[bool],
-                    valid: bool = True, outlier_factor: float = math.inf,
+def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Tensor, codec: Codec,
+                    contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None) -> AllReduceResult:
     """Mean of `x` over the members whose `contributes` is true and whose tensor passes the header check.
 
+    pg: one group, or several over the same members (one stripe of the tensor moves over each, at once).
     valid=False lets a caller that checked more than this tensor (e.g. all shards of a node) refuse it;
     a norm above outlier_factor × the median of the others' (3+ contributors) is refused as absurd.
     """
     started = time.perf_counter()
-    rank, world = pg.rank(), pg.size()
+    groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
+    rank, world = groups[0].rank(), groups[0].size()
     x = x.detach().reshape(-1).float().cpu()
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0,
                            1.0 if contributes[rank] else 0.0, float(x.numel())])
     headers = [torch.empty(4) for _ in range(world)]
-    _wait(_post(lambda: pg.allgather([headers], [header]), "header"), "header")
+    _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
@@ -146,7 +158,62 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
     total = x.numel()
     if not contributors or total == 0:
         return AllReduceResult(torch.zeros_like(x), contributors, refused, seconds=time.perf_counter() - started)
+    # Stripes of whole blocks (the int8 scales cover BLOCK elements), as even as that allows.
+    per_stripe = -(-(-(-total // len(groups))) // BLOCK) * BLOCK
+    bounds = [(start, min(total, start + per_stripe)) for start in range(0, total, per_stripe)]
+    stripes: list[_Stripe | None] = [None] * len(bounds)
+    errors: list[CollectiveError] = []
+    phases_done = threading.Barrier(len(bounds))
 
+    def run(i: int) -> None:
+        def after_scatter() -> None:
+            try:
+                phases_done.wait()  # on_phase("scatter") comes once every stripe's scatter is done
+            except threading.BrokenBarrierError:  # another stripe failed; its error is the one raised
+                return
+            if i == 0 and on_phase:
+                on_phase("scatter")
+        try:
+            start, end = bounds[i]
+            stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter)
+        except CollectiveError as e:
+            errors.append(e)
+            phases_done.abort()
+        except Exception as e:  # any other failure of one stripe fails the whole all-reduce, named
+            errors.append(CollectiveError(f"stripe {i}: {type(e).__name__}: {e}", "scatter"))
+            phases_done.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"all-reduce-stripe-{i}")
+               for i in range(1, len(bounds))]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        blamed = [e for e in errors if e.blame]
+        raise (blamed or errors)[0]
+    if on_phase:
+        on_phase("gather")
+    moved = sum(st.moved for st in stripes) + (world - 1) * 16  # both phases plus the headers
+    return AllReduceResult(torch.cat([st.mean for st in stripes]), contributors, refused, moved, moved,
+                           time.perf_counter() - started, wire=torch.cat([st.wire for st in stripes]),
+                           layout=[[st.chunk, st.mean.numel(), world] for st in stripes])
+
+
+@dataclass
+class _Stripe:
+    mean: torch.Tensor
+    wire: torch.Tensor
+    chunk: int
+    moved: int
+
+
+def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributors: list[int],
+                   headers: list[torch.Tensor], after_scatter: Callable[[], None]) -> _Stripe:
+    """Scatter then gather of one stripe over one group (see the module's docstring)."""
+    rank, world = pg.rank(), pg.size()
+    total = x.numel()
     chunk = -(-total // world)
     chunk = -(-chunk // BLOCK) * BLOCK
     padded = torch.zeros(chunk * world)
@@ -178,8 +245,7 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
         parts[r] = part
 
     _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate)
-    if on_phase:
-        on_phase("scatter")
+    after_scatter()
     mean_chunk = torch.zeros(chunk)
     for r in contributors:  # summed in rank order, whatever order they arrived in: deterministic
         mean_chunk += parts[r]
@@ -201,9 +267,4 @@ def all_reduce_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contri
 
     # place(rank) decodes the member's own chunk from the encoded bytes, like everyone else's.
     _ring_gather(pg, gathered, "gather", 2, place)
-    if on_phase:
-        on_phase("gather")
-    mean = mean[:total]
-    moved = (world - 1) * encoded * 2 + (world - 1) * 16  # both phases plus the headers
-    return AllReduceResult(mean, contributors, refused, moved, moved, time.perf_counter() - started,
-                           wire=torch.cat(gathered), chunk=chunk)
+    return _Stripe(mean[:total], torch.cat(gathered), chunk, (world - 1) * encoded * 2)

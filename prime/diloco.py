@@ -297,7 +297,7 @@ class DilocoHook:
     def _serve_state_and_update(self, step: int, state: torch.Tensor, result) -> None:
         if result.wire is not None:
             update = {"wire": result.wire}
-            meta = {"codec": self.codec.name, "chunk": result.chunk, "total": result.mean.numel()}
+            meta = {"codec": self.codec.name, "layout": result.layout}
         else:  # nobody contributed: the mean is zeros, sent as is
             update, meta = {"mean": result.mean}, {}
         self._serve(step, {"state": state}, "snapshot")
@@ -413,7 +413,7 @@ class DilocoHook:
                 lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
             meta = manifest["meta"]
             mean = tensors["mean"] if "mean" in tensors else decode_wire(
-                tensors["wire"], codec_for(meta["codec"]), meta["chunk"], meta["total"])
+                tensors["wire"], codec_for(meta["codec"]), meta["layout"])
             self.outer.step(mean, local_shards(self.model))
             self.outer_step = step
         self._check_hash(target, sources)

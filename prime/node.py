@@ -42,6 +42,14 @@ def _restore_outer(trainer: Trainer, outer: OuterOptimizer, inner_steps: int) ->
     return step
 
 
+def shared_settings(config: JobConfig) -> dict:
+    """Settings of the outer loop every node of a run must share (the coordinator names any difference)."""
+    d, m = config.diloco, config.mesh
+    return {"diloco.inner_steps": d.inner_steps, "diloco.mode": d.mode, "diloco.compression": d.compression,
+            "diloco.outer_lr": d.outer_lr, "diloco.outer_momentum": d.outer_momentum,
+            "mesh.streams_per_peer": m.streams_per_peer}
+
+
 def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None) -> ElasticDeviceMesh:
     H = config.diloco.inner_steps
     if config.checkpoint.every % H:
@@ -52,7 +60,8 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
              "model_hash": node_hash(outer.digest()), "address": "", "restored_step": restored_step,
              "data_shards": len(make_shards(trainer.train_files, config.data.parts_per_file)),
-             "data_fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
+             "data_fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file),
+             "protocol": shared_settings(config)}
     mesh = ElasticDeviceMesh(config.mesh, token, facts)
     hook = DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads", config.chaos)
     hook.outer_step = restored_step

@@ -73,6 +73,8 @@ def test_incompatible_nodes_are_refused_with_the_reason(coordinator, tmp_path):
     joined(coordinator, tmp_path, "f", data_shards=4, data_fingerprint="x")  # the first with data sets the run's
     with pytest.raises(CoordinatorError, match="data .8 shards, fingerprint x. differs from the run's .4 shards"):
         joined(coordinator, tmp_path, "g", data_shards=8, data_fingerprint="x")
+    with pytest.raises(CoordinatorError, match="diloco.mode is 'delayed' here but None in the run"):
+        joined(coordinator, tmp_path, "h", protocol={"diloco.mode": "delayed"})
 
 
 def test_unauthenticated_requests_are_refused(coordinator, tmp_path):

@@ -14,7 +14,9 @@ def waited(c, name: str) -> list[float]:
 
 
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
-    with cluster(tmp_path, corpus, 2, steps=30, nproc=2, extra=[*DELAYED, "--data.parts_per_file", "2"]) as c:
+    """2 nodes × 2 local ranks (the background thread's own local group), 2 TCP streams per peer pair."""
+    extra = [*DELAYED, "--data.parts_per_file", "2", "--mesh.streams_per_peer", "2"]
+    with cluster(tmp_path, corpus, 2, steps=30, nproc=2, extra=extra) as c:
         c.start_node("a")
         c.start_node("b")
         assert c.wait_nodes(240) == {"a": 0, "b": 0}, c.log("a")[-3000:]

@@ -20,19 +20,26 @@ from elastic_mesh.collectives import all_reduce_mean  # noqa: E402
 def main() -> None:
     rank, world, master, mb, repeats, interface = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                                    float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    settings = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+    streams, with_fp32 = settings.get("streams", [1]), settings.get("fp32", True)
     torch.set_num_threads(1)
     host, port = master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=300))
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=600)
     options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
-    pg = dist.ProcessGroupGloo(store, rank, world, options)
+    # One group per stream: each is one more TCP connection per peer pair (as mesh.streams_per_peer).
+    groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"s{i}/", store) if i else store, rank, world, options)
+              for i in range(max(streams))]
+    pg = groups[0]
     n = int(mb * 1e6 / 4)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    results = {"gloo_fp32": [], "prime_int8": [], "int8_bytes_sent": 0}
+    names = (["gloo_fp32"] if with_fp32 else []) + [f"prime_int8_x{s}" for s in streams]
+    results = {name: [] for name in names}
+    results["int8_bytes_sent"] = 0
     pg.barrier().wait()
     for _ in range(repeats):
-        for name in ("gloo_fp32", "prime_int8"):
+        for name in names:
             pg.barrier().wait()
             started = time.perf_counter()
             if name == "gloo_fp32":
@@ -40,7 +47,8 @@ def main() -> None:
                 pg.allreduce([y]).wait()
             else:
                 marks = {}
-                result = all_reduce_mean(pg, x, codec_for("int8"), [True] * world,
+                count = int(name.rsplit("x", 1)[1])
+                result = all_reduce_mean(groups[:count], x, codec_for("int8"), [True] * world,
                                          on_phase=lambda p: marks.__setitem__(p, time.perf_counter() - started))
                 results.setdefault("phases", []).append(marks)
                 results["int8_bytes_sent"] = result.bytes_sent
