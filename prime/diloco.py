@@ -57,14 +57,13 @@ class DilocoHook:
         self._publisher: threading.Thread | None = None
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
         self._inflight: InFlight | None = None  # delayed: the outer step decided while this round runs
-        self._round_start: list[torch.Tensor] | None = None  # delayed: where this round began (None: the outer params)
         # delayed: the background thread's coordinator calls and agreements use their own local group
-        self._background_mesh = mesh.background_view() if config.mode == "delayed" else None
+        self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
-        if restored and self.config.mode == "delayed":
+        if restored and self.config.mode != "blocking":
             self.outer.copy_to(local_shards(self.model))  # the checkpoint's local progress was never averaged
         if restored and restored == committed:  # resumed from a checkpoint of the run's newest step
             self._publish(restored, None, trainer.optimizer)  # others resumed may hold older checkpoints
@@ -105,9 +104,9 @@ class DilocoHook:
         if self.chaos.step_delay_s:
             time.sleep(self.chaos.step_delay_s)
         self._take_serving_faults()
-        if step % self.config.inner_steps:
-            return None
-        return self._delayed_round(trainer) if self.config.mode == "delayed" else self._round(trainer)
+        if self.config.mode != "blocking":
+            return self._overlapped_step(trainer, step)
+        return None if step % self.config.inner_steps else self._round(trainer)
 
     def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                   contributes: bool = True) -> Exchange:
@@ -117,7 +116,6 @@ class DilocoHook:
     def _out_of_step(self, trainer, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
         the node catches up from its peers, without anyone waiting for it."""
-        self._round_start = None
         if exchange.status == "dropped":
             self.mesh.rejoin()
             if self._background_mesh is not None:
@@ -170,94 +168,104 @@ class DilocoHook:
         self._publish(step, exchange.result, trainer.optimizer)
         return self._record(trainer, exchange, model_hash, time.perf_counter() - started)
 
-    def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float) -> dict:
+    def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float, fragment: int = 0) -> dict:
         plan, result = exchange.plan, exchange.result
-        delayed = self.config.mode == "delayed"
+        late = {"blocking": "", "delayed": " (applied one round late)",
+                "streaming": f" (fragment {fragment + 1}/{self.config.fragment_count}, applied "
+                             f"{self.config.overlap} steps late)"}[self.config.mode]
         record = {"outer_step": exchange.step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
                   "outer_s": round(waited_s, 4), "exchange_s": round(exchange.seconds, 4),
                   "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
                   "model_hash": model_hash, "step": trainer.step, "tokens_contributed": self.tokens_contributed,
-                  "refused": [plan.members[r]["name"] for r in result.refused]}
+                  "refused": [plan.members[r]["name"] for r in result.refused], "fragment": fragment}
         trainer.progress.note(
-            f"outer step {exchange.step}{' (applied one round late)' if delayed else ''}: epoch {plan.epoch}, "
-            f"{len(result.contributors)}/{plan.world_size} nodes averaged, all-reduce {result.seconds:.2f} s"
-            f"{' in the background' if delayed else ''}, {result.bytes_sent / 1e6:.2f} MB sent, "
-            f"{'inner steps waited' if delayed else 'round'} {waited_s:.2f} s, hash {model_hash}")
+            f"outer step {exchange.step}{late}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
+            f"nodes averaged, all-reduce {result.seconds:.2f} s{' in the background' if late else ''}, "
+            f"{result.bytes_sent / 1e6:.2f} MB sent, {'inner steps waited' if late else 'round'} {waited_s:.2f} s, "
+            f"hash {model_hash}")
         return record
 
-    # ---- delayed: the outer step of round k is decided while round k+1 runs --------------------------------
-    def _delayed_round(self, trainer) -> dict | None:
-        """Round k ends. Its pseudo-gradient Δk (from where the round began) goes to the background; the
-        outer step of round k−1, decided meanwhile, is applied now, keeping this round's progress:
-        θ ← outer(k−1) − Δk. So every node's outer params stay identical while nobody waits for the
-        network, and the average is applied one round late (one-step-delayed DiLoCo)."""
+    # ---- delayed and streaming: outer steps decided in the background while the inner steps go on --------
+    def _overlapped_step(self, trainer, step: int) -> dict | None:
+        """Every inner step of the overlapped modes. An outer step launched τ steps ago (diloco.overlap) is
+        applied now to its fragment of the model, keeping the local progress made since it was launched:
+        θ ← outer + (θ − θ at launch). Every sync_period steps the next fragment's pseudo-gradient
+        (outer − θ) is launched into the background. `delayed` is one fragment with τ = H (one-step-
+        delayed DiLoCo); `streaming` is F fragments in turn, each overlapped for τ ≤ H/F steps (Streaming
+        DiLoCo). At most one outer step is in flight: the previous one is applied before the next starts."""
         started = time.perf_counter()
-        shards = local_shards(self.model)
-        inflight, self._inflight = self._inflight, None
-        step = inflight.step + 1 if inflight else self.outer_step + 1
-        pseudo = self.outer.pseudo_gradient(shards, self._round_start)
-        self._poison(pseudo, step)
-        record, contribute = None, True
-        if inflight is not None:
+        record, rewound_now = None, False
+        if self._inflight is not None and step >= self._inflight.apply_at:
+            inflight, self._inflight = self._inflight, None
             exchange = inflight.wait()
             if exchange.status != "applied":
-                return self._out_of_step(trainer, exchange)  # this round's reading is rewound with the last one's
+                return self._out_of_step(trainer, exchange)  # everything read since the last commit is read again
             record = self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
-            if not exchange.contributed and not inflight.rewound:
-                # Its reading of round k−1 is read again, so is everything after it: this round's progress
-                # is dropped and the node enters step k without a contribution.
+            shards = local_shards(self.model)
+            if exchange.contributed or inflight.rewound:
+                self.outer.merge(shards, inflight.launched_from, inflight.fragment)
+            else:  # refused by the peers: its reading since the last commit is read again, its progress dropped
                 self._settle_data(trainer, "rewind")
-                contribute = False
+                self.outer.copy_to(shards)
+                rewound_now = True
+        if step % self.config.sync_period:
+            return record
+        return self._launch(trainer, step, record, contribute=not rewound_now, started=started)
+
+    def _launch(self, trainer, step: int, record: dict | None, contribute: bool, started: float) -> dict | None:
+        outer_step = self.outer_step + 1
+        fragment = (outer_step - 1) % self.config.fragment_count
+        shards = local_shards(self.model)
+        pseudo = self.outer.pseudo_gradient(shards, fragment)
+        self._poison(pseudo, outer_step)
         finite = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
         data = self._round_data(trainer, mark=True) if contribute else []  # the same on every local rank
         rewound = not contribute
-        if contribute and finite:
-            self.outer.copy_to(shards, minus=pseudo)  # the new outer params, plus this round's local progress
-        else:
-            self.outer.copy_to(shards)  # nothing local worth keeping (refused, or not finite: peers refuse it)
-            if contribute:  # Δk goes out as it is, for the peers to refuse; its reading is read again
-                self._settle_data(trainer, "rewind")
-                rewound = True
-            else:
-                pseudo = torch.zeros_like(pseudo)
-        self._round_start = [s.detach().float().cpu().clone() for s in shards]
+        if not contribute:  # what it read was just rewound: nothing to contribute to this step
+            pseudo = torch.zeros_like(pseudo)
+        elif not finite:  # it goes out as it is, for the peers to refuse; the reading is read again
+            self.outer.copy_to(shards)
+            self._settle_data(trainer, "rewind")
+            rewound = True
         tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
             if self.config.serve_snapshots else None
-        if trainer.step >= trainer.config.train.max_steps:  # the last round: end on the average, blocking
-            if record:
-                trainer.metrics.write(record)
-            exchange = self._background_exchange(self.mesh, step, pseudo, data, contribute, inner)
-            if exchange.status != "applied":
-                return self._out_of_step(trainer, exchange)
-            self.outer.copy_to(shards)
-            self._round_start = None
-            return self._applied_late(trainer, exchange, InFlight(step, tokens, rewound),
-                                      time.perf_counter() - started)
-        self._inflight = InFlight(step, tokens, rewound).start(
-            lambda: self._background_exchange(self._background_mesh, step, pseudo, data, contribute, inner))
-        return record
+        inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
+                            apply_at=step + self.config.overlap)
+        if step < trainer.config.train.max_steps:
+            self._inflight = inflight.start(lambda: self._background_exchange(
+                self._background_mesh, outer_step, pseudo, data, contribute, inner, fragment))
+            return record
+        # The last step: wait for this outer step and end on the outer model (the run's product, whose
+        # hash the coordinator holds), dropping local progress no outer step averaged.
+        if record:
+            trainer.metrics.write(record)
+        exchange = self._background_exchange(self.mesh, outer_step, pseudo, data, contribute, inner, fragment)
+        if exchange.status != "applied":
+            return self._out_of_step(trainer, exchange)
+        self.outer.copy_to(shards)
+        return self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
 
     def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
-                             contribute: bool, inner: dict | None) -> Exchange:
-        """The outer step of a delayed round: decided, applied to the outer params (not the model),
-        committed and served to peers, all while the next round's inner steps run."""
+                             contribute: bool, inner: dict | None, fragment: int) -> Exchange:
+        """An overlapped outer step: decided, applied to the fragment's outer params (not the model),
+        committed and served to peers, all while the inner steps go on."""
         exchange = self._exchange(mesh, step, pseudo, data, contribute)
         if exchange.status == "applied":
-            self.outer.apply(exchange.result.mean)
+            self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)
             if self.config.serve_snapshots:
                 self._serve(step, inner, "inner")
-                self._serve_state_and_update(step, self.outer.state_tensor(), exchange.result)
+                self._serve_state_and_update(step, self.outer.state_tensor(), exchange.result, fragment)
         return exchange
 
     def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
         self.outer_step = exchange.step
         if exchange.contributed:
-            self._settle_data(trainer, "committed")  # to the mark: the reading of the round it averaged
+            self._settle_data(trainer, "committed")  # to the mark: the reading the outer step averaged
             self.tokens_contributed += inflight.tokens
-        return self._record(trainer, exchange, exchange.model_hash, waited_s)
+        return self._record(trainer, exchange, exchange.model_hash, waited_s, inflight.fragment)
 
     # ---- serving peers ---------------------------------------------------------------------------------
     def _take_serving_faults(self) -> None:
@@ -294,12 +302,14 @@ class DilocoHook:
                                            daemon=True, name="snapshot-publisher")
         self._publisher.start()
 
-    def _serve_state_and_update(self, step: int, state: torch.Tensor, result) -> None:
+    def _serve_state_and_update(self, step: int, state: torch.Tensor, result, fragment: int | None = None) -> None:
         if result.wire is not None:
             update = {"wire": result.wire}
             meta = {"codec": self.codec.name, "layout": result.layout}
         else:  # nobody contributed: the mean is zeros, sent as is
             update, meta = {"mean": result.mean}, {}
+        if fragment is not None and self.config.fragment_count > 1:
+            meta["fragment"] = fragment
         self._serve(step, {"state": state}, "snapshot")
         self._serve(step, update, "update", meta)
 
@@ -319,12 +329,12 @@ class DilocoHook:
         # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
         # moments of the same step, while the round in flight still runs.
         inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
-        if self.outer_step * self.config.inner_steps < trainer.config.train.max_steps:
+        if self.outer_step * self.config.sync_period < trainer.config.train.max_steps:
             self.mesh.wait_commit(self.outer_step)
             more_fetched, more_replayed = self._bring_to_newest(full=False)
             fetched, replayed = fetched + more_fetched, replayed + more_replayed
         self.outer.copy_to(local_shards(self.model))
-        trainer.jump_to_step(self.outer_step * self.config.inner_steps)
+        trainer.jump_to_step(self.outer_step * self.config.sync_period)
         self._tokens_at_sync = trainer.tokens_seen
         model_hash = node_hash(self.outer.digest())
         self.mesh.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
@@ -414,7 +424,7 @@ class DilocoHook:
             meta = manifest["meta"]
             mean = tensors["mean"] if "mean" in tensors else decode_wire(
                 tensors["wire"], codec_for(meta["codec"]), meta["layout"])
-            self.outer.step(mean, local_shards(self.model))
+            self.outer.apply(mean, meta.get("fragment"))  # the model gets the result once caught up
             self.outer_step = step
         self._check_hash(target, sources)
         return target - start

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DilocoConfig(BaseModel):
@@ -13,10 +13,16 @@ class DilocoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inner_steps: int = Field(50, gt=0, description="H: inner AdamW steps between outer steps.")
-    mode: Literal["blocking", "delayed"] = Field(
+    mode: Literal["blocking", "delayed", "streaming"] = Field(
         "blocking", description="blocking: the inner steps wait for each outer step. delayed: the outer step of "
                                 "round k is decided in the background while round k+1 runs and applied one round "
-                                "late, keeping the local progress made meanwhile (hides the WAN; see README).")
+                                "late, keeping the local progress made meanwhile. streaming: the model is cut into "
+                                "`fragments`, synchronised one after another every H/fragments steps, each in the "
+                                "background for `overlap_steps` (see README).")
+    fragments: int = Field(4, ge=1, le=64, description="streaming: fragments of the model (consecutive layers, "
+                                                       "about equal sizes); one is synchronised every H/fragments steps.")
+    overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
+                                                    "background before it is applied (0: H/fragments, the most).")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(
@@ -38,3 +44,32 @@ class DilocoConfig(BaseModel):
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")
+
+    @model_validator(mode="after")
+    def _streaming_fits(self) -> "DilocoConfig":
+        if self.mode == "streaming":
+            if self.inner_steps % self.fragments:
+                raise ValueError(f"diloco.inner_steps {self.inner_steps} is not a multiple of diloco.fragments "
+                                 f"{self.fragments}: one fragment is synchronised every H/fragments steps")
+            if self.overlap_steps > self.inner_steps // self.fragments:
+                raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over H/fragments = "
+                                 f"{self.inner_steps // self.fragments}: a fragment's outer step must be applied "
+                                 "before the next one starts")
+        return self
+
+    @property
+    def fragment_count(self) -> int:
+        return self.fragments if self.mode == "streaming" else 1
+
+    @property
+    def sync_period(self) -> int:
+        """Inner steps between outer steps (a streaming outer step synchronises one fragment)."""
+        return self.inner_steps // self.fragment_count
+
+    @property
+    def overlap(self) -> int:
+        """Inner steps an outer step runs in the background (0: blocking)."""
+        if self.mode == "blocking":
+            return 0
+        return (self.overlap_steps or self.sync_period) if self.mode == "streaming" else self.inner_steps
+

@@ -26,7 +26,7 @@ def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int):
     return publish
 
 
-def _restore_outer(trainer: Trainer, outer: OuterOptimizer, inner_steps: int) -> int:
+def _restore_outer(trainer: Trainer, outer: OuterOptimizer, sync_period: int) -> int:
     """The outer step a resumed node's checkpoint holds (0 when it did not resume), its outer state loaded."""
     if trainer.restored is None:
         return 0
@@ -35,7 +35,7 @@ def _restore_outer(trainer: Trainer, outer: OuterOptimizer, inner_steps: int) ->
         raise ValueError(f"{trainer.restored} holds no DiLoCo outer state (written by a one-node run?); resume a "
                          "multi-node node from a checkpoint its own multi-node run wrote")
     step = int(saved["diloco_outer_step"])
-    if trainer.step != step * inner_steps:
+    if trainer.step != step * sync_period:
         raise ValueError(f"{trainer.restored} is at inner step {trainer.step}, not at the end of outer step {step}; "
                          "it cannot be resumed exactly")
     outer.load_state_tensor(saved["diloco_state"])
@@ -45,7 +45,8 @@ def _restore_outer(trainer: Trainer, outer: OuterOptimizer, inner_steps: int) ->
 def shared_settings(config: JobConfig) -> dict:
     """Settings of the outer loop every node of a run must share (the coordinator names any difference)."""
     d, m = config.diloco, config.mesh
-    return {"diloco.inner_steps": d.inner_steps, "diloco.mode": d.mode, "diloco.compression": d.compression,
+    return {"diloco.inner_steps": d.inner_steps, "diloco.mode": d.mode, "diloco.fragments": d.fragment_count,
+            "diloco.overlap": d.overlap, "diloco.compression": d.compression,
             "diloco.outer_lr": d.outer_lr, "diloco.outer_momentum": d.outer_momentum,
             "mesh.streams_per_peer": m.streams_per_peer}
 
@@ -55,8 +56,9 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     if config.checkpoint.every % H:
         raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
                          "multi-node node can only be resumed from the end of an outer step")
-    outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum)
-    restored_step = _restore_outer(trainer, outer, H)
+    outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum,
+                           config.diloco.fragment_count)
+    restored_step = _restore_outer(trainer, outer, config.diloco.sync_period)
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
              "model_hash": node_hash(outer.digest()), "address": "", "restored_step": restored_step,
              "data_shards": len(make_shards(trainer.train_files, config.data.parts_per_file)),
@@ -74,7 +76,7 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     trainer.lease_data(lambda held: mesh.lease_data(worker, held), worker)
     trainer.prefix = f"[{mesh.name}]"
     trainer.progress.prefix = trainer.prefix
-    trainer.progress.sync_every = config.diloco.inner_steps
+    trainer.progress.sync_every = config.diloco.sync_period
     trainer.metrics.name_run(mesh.name, group=mesh.joined["run_id"])
     if dist.get_rank() == 0 and config.train.eval_every % config.diloco.inner_steps:
         log.warning("[%s] train.eval_every %d is not a multiple of diloco.inner_steps %d: eval loss will be measured "

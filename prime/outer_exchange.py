@@ -34,11 +34,14 @@ class Exchange:
 
 
 class InFlight:
-    """A delayed round's outer step, decided in a background thread while the next round runs."""
+    """An overlapped outer step, decided in a background thread while the inner steps go on."""
 
-    def __init__(self, step: int, tokens: int, rewound: bool) -> None:
-        self.step, self.tokens = step, tokens  # tokens: read by the round it averages
+    def __init__(self, step: int, tokens: int, rewound: bool, fragment: int = 0,
+                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0) -> None:
+        self.step, self.tokens = step, tokens  # tokens: read by the window it averages
         self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient)
+        self.fragment, self.launched_from = fragment, launched_from or []  # the fragment's shards at launch
+        self.apply_at = apply_at  # the inner step at which the training thread applies it
         self._thread: threading.Thread | None = None
         self._exchange: Exchange | None = None
         self._error: BaseException | None = None

@@ -12,39 +12,67 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if hasattr(p, "to_local") else p.data for p in model.parameters()]
 
 
-class OuterOptimizer:
-    """Outer params (fp32, CPU) and Nesterov SGD over them, for this rank's shards."""
+def split_evenly(sizes: list[int], parts: int) -> list[range]:
+    """`parts` contiguous runs of parameter indices with about equal element counts (the fragments of
+    streaming DiLoCo: consecutive parameters, i.e. whole layers, together)."""
+    total, bounds, seen = sum(sizes), [0], 0
+    for i, n in enumerate(sizes):
+        seen += n
+        while len(bounds) < parts and seen >= total * len(bounds) / parts:
+            bounds.append(i + 1)
+    bounds += [len(sizes)] * (parts + 1 - len(bounds))
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
-    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float) -> None:
+
+class OuterOptimizer:
+    """Outer params (fp32, CPU) and Nesterov SGD over them, for this rank's shards; `fragments` cuts the
+    parameters into runs that can be synchronised one at a time (streaming DiLoCo; 1: all at once)."""
+
+    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float, fragments: int = 1) -> None:
         self.outer = [s.detach().float().cpu().clone() for s in shards]
         self.sizes = [t.numel() for t in self.outer]
+        self.fragments = split_evenly(self.sizes, fragments)
         self.optimizer = torch.optim.SGD(self.outer, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
-    def pseudo_gradient(self, shards: list[torch.Tensor], start: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """start − inner, flattened (one collective for all parameters); start is the outer params unless
-        the round began elsewhere (the delayed mode keeps local progress past an outer step)."""
-        if not self.outer:
-            return torch.zeros(0)
-        start = self.outer if start is None else start
-        return torch.cat([(o - s.detach().float().cpu()).reshape(-1) for o, s in zip(start, shards)])
+    def _params(self, fragment: int | None) -> range:
+        return range(len(self.outer)) if fragment is None else self.fragments[fragment]
 
-    def apply(self, mean_pseudo_gradient: torch.Tensor) -> None:
-        """The outer Nesterov step on the outer params only (the model is not touched)."""
-        for o, g in zip(self.outer, mean_pseudo_gradient.split(self.sizes)):
-            o.grad = g.view_as(o).clone()
-        self.optimizer.step()
+    def pseudo_gradient(self, shards: list[torch.Tensor], fragment: int | None = None) -> torch.Tensor:
+        """outer − inner over the fragment's parameters (all by default), flattened: one collective."""
+        index = self._params(fragment)
+        if not index:
+            return torch.zeros(0)
+        return torch.cat([(self.outer[i] - shards[i].detach().float().cpu()).reshape(-1) for i in index])
+
+    def apply(self, mean_pseudo_gradient: torch.Tensor, fragment: int | None = None) -> None:
+        """The outer Nesterov step on the fragment's outer params only (the model is not touched)."""
+        index = self._params(fragment)
+        for i, g in zip(index, mean_pseudo_gradient.split([self.sizes[i] for i in index])):
+            self.outer[i].grad = g.view_as(self.outer[i]).clone()
+        self.optimizer.step()  # parameters without a gradient (other fragments) are left alone
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, mean_pseudo_gradient: torch.Tensor, shards: list[torch.Tensor]) -> None:
         self.apply(mean_pseudo_gradient)
         self.copy_to(shards)
 
-    def copy_to(self, shards: list[torch.Tensor], minus: torch.Tensor | None = None) -> None:
-        """shards ← outer params (− `minus`, a flat pseudo-gradient: the local progress to keep)."""
-        pieces = minus.split(self.sizes) if minus is not None else [None] * len(self.outer)
+    def copy_to(self, shards: list[torch.Tensor]) -> None:
+        """shards ← outer params."""
         with torch.no_grad():
-            for o, s, d in zip(self.outer, shards, pieces):
-                value = o if d is None else o - d.view_as(o)
+            for o, s in zip(self.outer, shards):
+                s.copy_(o.view_as(s).to(device=s.device, dtype=s.dtype))
+
+    def snapshot(self, shards: list[torch.Tensor], fragment: int | None = None) -> list[torch.Tensor]:
+        """fp32 CPU copies of the fragment's inner shards (where an overlapped outer step was launched)."""
+        return [shards[i].detach().float().cpu().clone() for i in self._params(fragment)]
+
+    def merge(self, shards: list[torch.Tensor], launched_from: list[torch.Tensor], fragment: int | None) -> None:
+        """The fragment's inner shards ← new outer params + the local progress made since the outer step
+        was launched from `launched_from` (overlapped modes: nothing is thrown away while waiting)."""
+        with torch.no_grad():
+            for i, start in zip(self._params(fragment), launched_from):
+                s = shards[i]
+                value = self.outer[i] + (s.detach().float().cpu() - start)
                 s.copy_(value.view_as(s).to(device=s.device, dtype=s.dtype))
 
     def state_tensor(self) -> torch.Tensor:

@@ -81,3 +81,41 @@ def test_delayed_join_takes_a_snapshot_and_contributes(tmp_path, corpus):
     assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught, late[first])
     assert_identical(c, ["node0", "node1", "late"], range(first, 21))
     assert_exactly_once(c, corpus)
+
+
+STREAMING = ["--diloco.mode", "streaming", "--diloco.inner_steps", "6", "--diloco.fragments", "3"]
+
+
+def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpus):
+    """H=6, 3 fragments: one fragment's outer step every 2 inner steps, each overlapped for 2 steps."""
+    with cluster(tmp_path, corpus, 3, steps=36, extra=STREAMING) as c:
+        for name in ("node0", "node1", "node2"):
+            c.start_node(name)
+        assert c.wait_nodes(240) == {n: 0 for n in ("node0", "node1", "node2")}, c.log("node0")[-3000:]
+        records = c.outer_records("node0")
+        assert sorted(records) == list(range(1, 19)), sorted(records)
+        assert [records[k]["fragment"] for k in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+        assert_identical(c, ["node0", "node1", "node2"], range(1, 19))
+        # Each outer step moves about a third of the model.
+        sent = [records[k]["bytes_sent"] for k in range(1, 4)]
+        assert max(sent) < 0.5 * sum(sent), sent
+        losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+        assert_exactly_once(c, corpus)
+
+
+def test_streaming_join_replays_fragment_updates(tmp_path, corpus):
+    slow = ["--chaos.step_delay_s", "0.2"]
+    with cluster(tmp_path, corpus, 2, steps=90, extra=STREAMING) as c:
+        c.start_node("node0", slow)
+        c.start_node("node1", slow)
+        wait_for(lambda: len(c.outer_records("node0")) >= 4, 120, "four outer steps")
+        c.start_node("late")
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
+        late = c.outer_records("late")
+        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+    assert len(caught) == 1 and caught[0]["replayed"] >= 1, caught  # fragment updates replayed
+    first = min(late)
+    assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught)
+    assert_identical(c, ["node0", "node1", "late"], range(first, 46))
+    assert_exactly_once(c, corpus)

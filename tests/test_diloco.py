@@ -13,7 +13,7 @@ from elastic_mesh.collectives import all_reduce_mean
 from launch.cluster import LocalCluster
 from prime.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.outer_optimizer import OuterOptimizer
+from prime.outer_optimizer import OuterOptimizer, split_evenly
 from prime.model import build_model
 from tests.conftest import REPO, run_train
 
@@ -103,3 +103,28 @@ def test_adam_moments_move_to_another_optimizer_and_step_identically():
     assert not all(torch.equal(a, b) for a, b in zip(fresh.parameters(), peer.parameters()))
     with pytest.raises(ValueError, match="does not fit"):
         load_adam_state(peer_opt, list(peer.parameters())[:2], moments)
+
+
+def test_fragments_cover_every_parameter_once_and_step_alone():
+    assert split_evenly([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert split_evenly([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert split_evenly([5], 3) == [range(0, 1), range(1, 1), range(1, 1)]
+    torch.manual_seed(0)
+    inner = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2), torch.randn(5)]
+    outer = OuterOptimizer(inner, lr=0.7, momentum=0.9, fragments=2)
+    assert [list(r) for r in outer.fragments] == [[0, 1], [2, 3]]
+    before = [o.clone() for o in outer.outer]
+    moved = [t + 0.1 for t in inner]
+    pseudo = outer.pseudo_gradient(moved, fragment=1)
+    assert pseudo.numel() == 4 + 5 and torch.allclose(pseudo, torch.full_like(pseudo, -0.1))
+    outer.apply(pseudo, fragment=1)
+    assert all(torch.equal(a, b) for a, b in zip(outer.outer[:2], before[:2]))  # fragment 0 untouched
+    assert all(not torch.equal(a, b) for a, b in zip(outer.outer[2:], before[2:]))
+    assert all(o not in outer.optimizer.state or not outer.optimizer.state[o] for o in outer.outer[:2])
+    # Merging keeps the progress made since launch on top of the new outer params, fragment by fragment.
+    launched = outer.snapshot(moved, fragment=1)
+    later = [t + 0.05 for t in moved]
+    outer.merge(later, launched, fragment=1)
+    for i in (2, 3):
+        assert torch.allclose(later[i], outer.outer[i] + 0.05, atol=1e-6)
+    assert torch.allclose(later[0], moved[0] + 0.05)  # other fragments keep their local weights

@@ -1,12 +1,15 @@
 """Benchmark: compute utilisation of DiLoCo across an emulated WAN, per diloco.mode, side by side.
 
 The same nodes (each in its own namespace behind the chosen profile) train the same config once per
-mode (int8 all-reduce every H steps over the WAN: `blocking` waits for it, `delayed` runs it behind
-the next round) and once with communication switched off (each node trains alone, no coordinator).
+mode (int8 all-reduce over the WAN: `blocking` waits for it every H steps, `delayed` runs it behind
+the next round, `streaming` synchronises one of F fragments every H/F steps, each behind H/F steps of
+compute) and once with communication switched off (each node trains alone, no coordinator).
 Utilisation = tokens/s with communication / tokens/s without, over the same inner steps: the whole
 run, and the steady state (rounds 2 to the one before last: the first holds start-up, and the last
 round of `delayed` waits for its own all-reduce so the run ends on the average). Also prints each
-mode's final eval loss (equal tokens). INTELLECT-1: 83% globally, 96% in the US.
+mode's final eval loss (equal tokens) and the largest transfer of one outer step, with the rate it
+needs to stay hidden (its bytes / the compute time it overlaps). INTELLECT-1: 83% globally, 96% in
+the US.
 
     python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25]
 """
@@ -48,7 +51,11 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--inner-steps", type=int, default=25)
-    parser.add_argument("--modes", default="blocking,delayed", help="diloco.mode values to compare, comma-separated")
+    parser.add_argument("--modes", default="blocking,delayed,streaming",
+                        help="diloco.mode values to compare, comma-separated")
+    parser.add_argument("--fragments", type=int, default=5, help="streaming: diloco.fragments (must divide H)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="diloco.outer_momentum for every mode (default: the config's)")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     args = parser.parse_args()
     corpus = prepare()
@@ -56,6 +63,8 @@ def main() -> int:
     H = args.inner_steps
     overrides = ["--data.path", str(corpus), "--train.max_steps", str(args.steps), "--diloco.inner_steps",
                  str(H), "--train.eval_every", "0", "--checkpoint.every", "0", "--mesh.transfer_timeout_s", "120"]
+    if args.outer_momentum is not None:
+        overrides += ["--diloco.outer_momentum", str(args.outer_momentum)]
     steady = (H, args.steps - H)  # from the end of round 1 to the start of the last round
     rows = {}
     with WanTopology(["coordinator", *names], args.profile) as wan, tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +84,8 @@ def main() -> int:
         solo_rate, solo_steady = tokens_per_s(solo, names), tokens_per_s(solo, names, *steady)
         print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
         for mode in args.modes.split(","):
-            with LocalCluster(Path(tmp) / mode, args.config, [*overrides, "--diloco.mode", mode], wan=wan,
+            extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments)] if mode == "streaming" else [])
+            with LocalCluster(Path(tmp) / mode, args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
                 c.start_coordinator(start_nodes=args.nodes)
                 for name in names:
@@ -83,21 +93,30 @@ def main() -> int:
                 if any(code != 0 for code in c.wait_nodes(3600).values()):
                     raise SystemExit(c.log("node0")[-2000:])
                 outer = list(c.outer_records("node0").values())
-                rows[mode] = {"rate": tokens_per_s(c, names), "steady": tokens_per_s(c, names, *steady),
+                rate = tokens_per_s(c, names)
+                steps = [r for r in c.metrics("node0") if "loss" in r]
+                step_s = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)  # wall seconds per inner step
+                overlap = {"blocking": 0, "delayed": H, "streaming": H // args.fragments}[mode]
+                largest = max(r["bytes_sent"] for r in outer)
+                rows[mode] = {"rate": rate, "steady": tokens_per_s(c, names, *steady),
                               "eval": final_eval(c, "node0"), "outer_steps": len(outer),
                               "allreduce_s": sum(r["allreduce_s"] for r in outer),
-                              "waited_s": sum(r["outer_s"] for r in outer)}
+                              "waited_s": sum(r["outer_s"] for r in outer), "largest_mb": largest / 1e6,
+                              "hide_mbit": largest * 8 / 1e6 / (overlap * step_s) if overlap else float("nan")}
                 row = rows[mode]
                 print(f"{mode}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
                       f"(steady {row['steady'] / solo_steady:.1%}), eval loss {row['eval']:.4f}", flush=True)
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
-          f"(backend {wan.backend}); steady state = inner steps {steady[0]}-{steady[1]}")
+          f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
+          f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; steady state = inner "
+          f"steps {steady[0]}-{steady[1]}")
     print(f"{'mode':<10}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
-          f"{'eval loss':>11}{'vs blocking':>13}")
+          f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}")
     base = rows.get("blocking", next(iter(rows.values())))["eval"]
     for mode, row in rows.items():
         print(f"{mode:<10}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
-              f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}{row['eval'] / base:>13.4f}")
+              f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}{row['eval'] / base:>13.4f}"
+              f"{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}")
     return 0
 
 
