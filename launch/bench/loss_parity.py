@@ -52,6 +52,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--config", default="configs/cpu-demo.toml")
+    parser.add_argument("--outer-lr", type=float, default=None, help="diloco.outer_lr (default: the config's)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="diloco.outer_momentum (default: the config's)")
+    parser.add_argument("--mode", default="blocking", help="diloco.mode of the DiLoCo run")
     args = parser.parse_args()
     corpus = prepare()
     config = load_config(REPO / args.config)
@@ -60,7 +64,10 @@ def main() -> int:
     final = f"step_{args.steps:08d}"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        diloco = common + ["--diloco.inner_steps", str(args.inner_steps)]
+        diloco = common + ["--diloco.inner_steps", str(args.inner_steps), "--diloco.mode", args.mode]
+        for key, value in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)):
+            if value is not None:
+                diloco += [f"--diloco.{key}", str(value)]
         with LocalCluster(tmp / "diloco", args.config, diloco, coordinator_args=["--min-wait-s", "60"]) as c:
             c.start_coordinator(start_nodes=args.nodes)
             for i in range(args.nodes):
@@ -76,7 +83,11 @@ def main() -> int:
         diloco_loss = eval_loss(config, tmp / "diloco" / "node0" / "checkpoints" / final, corpus)
         dp_loss = eval_loss(config, tmp / "dp" / "checkpoints" / final, corpus)
     tokens = args.steps * config.train.batch_size * config.train.seq_len * args.nodes
-    print(f"{args.config}, {args.nodes} nodes, H={args.inner_steps}, {args.steps} steps, {tokens / 1e6:.2f}M tokens each way")
+    outer = config.diloco
+    lr = args.outer_lr if args.outer_lr is not None else outer.outer_lr
+    momentum = args.outer_momentum if args.outer_momentum is not None else outer.outer_momentum
+    print(f"{args.config}, {args.nodes} nodes, H={args.inner_steps}, {args.steps} steps, {tokens / 1e6:.2f}M tokens "
+          f"each way; DiLoCo {args.mode}, outer lr {lr:g}, momentum {momentum:g}")
     print(f"eval loss: DiLoCo (int8) {diloco_loss:.4f}, data-parallel {dp_loss:.4f}, ratio {diloco_loss / dp_loss:.4f}")
     return 0
 
