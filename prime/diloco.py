@@ -56,6 +56,7 @@ class DilocoHook:
         self._tokens_at_sync = 0
         self._publisher: threading.Thread | None = None
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
+        self._snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
         self._inflight: InFlight | None = None  # delayed: the outer step decided while this round runs
         # delayed: the background thread's coordinator calls and agreements use their own local group
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
@@ -228,9 +229,12 @@ class DilocoHook:
             self.outer.copy_to(shards)
             self._settle_data(trainer, "rewind")
             rewound = True
+        elif self.config.eager:
+            self.outer.eager_step(shards, pseudo, fragment)
         tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
+        whole = self._snapshot_step(outer_step) == outer_step  # served with a whole snapshot: copy the moments
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
-            if self.config.serve_snapshots else None
+            if self.config.serve_snapshots and whole else None
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
                             apply_at=step + self.config.overlap)
         if step < trainer.config.train.max_steps:
@@ -256,8 +260,11 @@ class DilocoHook:
             self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)
             if self.config.serve_snapshots:
-                self._serve(step, inner, "inner")
-                self._serve_state_and_update(step, self.outer.state_tensor(), exchange.result, fragment)
+                whole = self._snapshot_step(step) == step
+                if whole:
+                    self._serve(step, inner, "inner")
+                self._serve_state_and_update(step, self.outer.state_tensor() if whole else None, exchange.result,
+                                             fragment)
         return exchange
 
     def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
@@ -302,7 +309,8 @@ class DilocoHook:
                                            daemon=True, name="snapshot-publisher")
         self._publisher.start()
 
-    def _serve_state_and_update(self, step: int, state: torch.Tensor, result, fragment: int | None = None) -> None:
+    def _serve_state_and_update(self, step: int, state: torch.Tensor | None, result,
+                                fragment: int | None = None) -> None:
         if result.wire is not None:
             update = {"wire": result.wire}
             meta = {"codec": self.codec.name, "layout": result.layout}
@@ -310,7 +318,8 @@ class DilocoHook:
             update, meta = {"mean": result.mean}, {}
         if fragment is not None and self.config.fragment_count > 1:
             meta["fragment"] = fragment
-        self._serve(step, {"state": state}, "snapshot")
+        if state is not None:
+            self._serve(step, {"state": state}, "snapshot")
         self._serve(step, update, "update", meta)
 
     def _wait_for_publisher(self) -> None:
@@ -357,7 +366,7 @@ class DilocoHook:
             def fetch_and_load() -> int:
                 # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
                 # from a different one (mixed) and the download uses every source's uplink.
-                _, tensors, report = self.mesh.fetch(sources, "inner", self.outer_step, work_dir, mixed=True)
+                _, tensors, report = self.mesh.fetch(sources, "inner", self._snapshot_fetched, work_dir, mixed=True)
                 load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
                 return report.total_bytes
             try:
@@ -403,12 +412,19 @@ class DilocoHook:
             raise error or SnapshotError("another local rank could not fetch its shard")
         return result
 
+    def _snapshot_step(self, committed: int) -> int:
+        """The newest outer step whose whole snapshot peers serve. Streaming serves one per H inner steps
+        (every F-th outer step; each of the first F), since building and hashing the whole state every
+        H/F steps costs training; a joiner replays the few fragment updates after it."""
+        fragments = self.config.fragment_count
+        return committed if committed < fragments else committed - committed % fragments
+
     def _load_snapshot(self, sources: dict) -> int:
-        step = sources["committed_step"]
+        step = self._snapshot_step(sources["committed_step"])
         manifest, tensors, report = self._agreed(
             lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
         self.outer.load_state_tensor(tensors["state"])
-        self.outer_step = step
+        self.outer_step = self._snapshot_fetched = step
         self._download_s += report.seconds
         self._check_hash(step, sources)
         log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,

@@ -23,6 +23,9 @@ class DilocoConfig(BaseModel):
                                                        "about equal sizes); one is synchronised every H/fragments steps.")
     overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
                                                     "background before it is applied (0: H/fragments, the most).")
+    eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
+                                          "outer step taken with this node's own pseudo-gradient in place of the "
+                                          "average (eager updates), rather than from where the node stands.")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(

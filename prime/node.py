@@ -56,6 +56,10 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     if config.checkpoint.every % H:
         raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
                          "multi-node node can only be resumed from the end of an outer step")
+    if config.diloco.fragment_count > config.mesh.snapshot_keep:
+        raise ValueError(f"diloco.fragments {config.diloco.fragment_count} is over mesh.snapshot_keep "
+                         f"{config.mesh.snapshot_keep}: a node catching up replays up to fragments − 1 updates after "
+                         "the newest whole snapshot; raise mesh.snapshot_keep")
     outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum,
                            config.diloco.fragment_count)
     restored_step = _restore_outer(trainer, outer, config.diloco.sync_period)

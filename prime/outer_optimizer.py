@@ -66,6 +66,22 @@ class OuterOptimizer:
         """fp32 CPU copies of the fragment's inner shards (where an overlapped outer step was launched)."""
         return [shards[i].detach().float().cpu().clone() for i in self._params(fragment)]
 
+    def eager_step(self, shards: list[torch.Tensor], pseudo_gradient: torch.Tensor, fragment: int | None) -> None:
+        """The fragment's inner shards ← the outer params after an outer step taken with this node's own
+        pseudo-gradient standing in for the average (eager updates: what a node resumes from while the
+        real average is in flight; the outer params and momentum themselves are not changed)."""
+        group = self.optimizer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        index = self._params(fragment)
+        with torch.no_grad():
+            for i, g in zip(index, pseudo_gradient.split([self.sizes[i] for i in index])):
+                o, g = self.outer[i], g.view_as(self.outer[i])
+                buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
+                buf = g if buf is None or mu == 0 else buf * mu + g  # torch's SGD, dampening 0
+                direction = g + mu * buf if nesterov else buf
+                s = shards[i]
+                s.copy_((o - lr * direction).view_as(s).to(device=s.device, dtype=s.dtype))
+
     def merge(self, shards: list[torch.Tensor], launched_from: list[torch.Tensor], fragment: int | None) -> None:
         """The fragment's inner shards ← new outer params + the local progress made since the outer step
         was launched from `launched_from` (overlapped modes: nothing is thrown away while waiting)."""

@@ -128,3 +128,20 @@ def test_fragments_cover_every_parameter_once_and_step_alone():
     for i in (2, 3):
         assert torch.allclose(later[i], outer.outer[i] + 0.05, atol=1e-6)
     assert torch.allclose(later[0], moved[0] + 0.05)  # other fragments keep their local weights
+
+
+def test_eager_step_is_the_outer_step_the_average_would_give_if_it_were_this_node_s():
+    import copy
+
+    torch.manual_seed(1)
+    inner = [torch.randn(6), torch.randn(3, 2)]
+    outer = OuterOptimizer(inner, lr=0.7, momentum=0.9, fragments=1)
+    outer.apply(torch.randn(12))  # a momentum buffer exists
+    pseudo = torch.randn(12)
+    reference = copy.deepcopy(outer)
+    reference.apply(pseudo)
+    shards = [torch.zeros(6), torch.zeros(3, 2)]
+    state = outer.state_tensor().clone()
+    outer.eager_step(shards, pseudo, None)
+    assert all(torch.allclose(s, r, atol=1e-6) for s, r in zip(shards, reference.outer))
+    assert torch.equal(outer.state_tensor(), state)  # the shared outer state is untouched
