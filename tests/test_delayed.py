@@ -1,16 +1,12 @@
-"""diloco.mode = delayed end to end: the outer step of round k is decided in a background thread while
-round k+1 runs, and applied one round late. Real coordinator, torchrun nodes, Gloo and SIGKILLs."""
+"""The overlapped modes end to end. delayed: the outer step of round k is decided in a background thread
+while round k+1 runs, and applied one round late. streaming: one fragment of the model at a time, every
+H/F steps. Real coordinator, torchrun nodes, Gloo and SIGKILLs."""
 
 from __future__ import annotations
 
-from launch.cluster import wait_for
-from tests.test_multinode import assert_exactly_once, assert_identical, cluster
+from tests.test_multinode import assert_exactly_once, assert_identical, cluster, join_midway
 
 DELAYED = ["--diloco.mode", "delayed"]
-
-
-def waited(c, name: str) -> list[float]:
-    return [r["outer_s"] for r in c.outer_records(name).values()]
 
 
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
@@ -67,15 +63,7 @@ def test_delayed_non_finite_round_is_refused_and_read_again(tmp_path, corpus):
 
 
 def test_delayed_join_takes_a_snapshot_and_contributes(tmp_path, corpus):
-    slow = ["--chaos.step_delay_s", "0.2", *DELAYED]
-    with cluster(tmp_path, corpus, 2, steps=100, extra=DELAYED) as c:
-        c.start_node("node0", slow)
-        c.start_node("node1", slow)
-        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
-        c.start_node("late")
-        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
-        late = c.outer_records("late")
-        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+    c, late, caught, _ = join_midway(tmp_path, corpus, steps=100, after=2, extra=DELAYED)
     assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0, caught
     first = min(late)
     assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught, late[first])
@@ -105,15 +93,7 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
 
 
 def test_streaming_join_replays_fragment_updates(tmp_path, corpus):
-    slow = ["--chaos.step_delay_s", "0.2"]
-    with cluster(tmp_path, corpus, 2, steps=90, extra=STREAMING) as c:
-        c.start_node("node0", slow)
-        c.start_node("node1", slow)
-        wait_for(lambda: len(c.outer_records("node0")) >= 4, 120, "four outer steps")
-        c.start_node("late")
-        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
-        late = c.outer_records("late")
-        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+    c, late, caught, _ = join_midway(tmp_path, corpus, steps=90, after=4, extra=STREAMING)
     assert len(caught) == 1 and caught[0]["replayed"] >= 1, caught  # fragment updates replayed
     first = min(late)
     assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught)

@@ -138,17 +138,22 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, corpus):
         assert any("coordinator restarted" in e["text"] for e in status["events"])
 
 
-def test_a_node_joins_a_running_job(tmp_path, corpus):
+def join_midway(tmp_path, corpus, steps: int, after: int, extra=()) -> tuple[LocalCluster, dict, list, str]:
+    """Two slowed nodes train; a third ("late") starts once `after` outer steps are committed. Returns the
+    cluster, late's outer records, its catch-up records and the coordinator's events."""
     slow = ["--chaos.step_delay_s", "0.2"]  # keeps the run going while the newcomer starts
-    with cluster(tmp_path, corpus, 2, steps=100) as c:
+    with cluster(tmp_path, corpus, 2, steps=steps, extra=extra) as c:
         c.start_node("node0", slow)
         c.start_node("node1", slow)
-        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
+        wait_for(lambda: len(c.outer_records("node0")) >= after, 120, f"{after} outer steps")
         c.start_node("late")
-        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
-        late = c.outer_records("late")
-        caught = [r for r in c.metrics("late") if "caught_up_to" in r]
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "late": 0}, c.log("late")[-3000:]
         events = " | ".join(e["text"] for e in c.status()["events"])
+    return c, c.outer_records("late"), [r for r in c.metrics("late") if "caught_up_to" in r], events
+
+
+def test_a_node_joins_a_running_job(tmp_path, corpus):
+    c, late, caught, events = join_midway(tmp_path, corpus, steps=100, after=2)
     # It took a snapshot from a peer while the others went on, replayed the step committed meanwhile, and
     # its first round is a full member's: its stale weights never entered an average.
     assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0 and caught[0]["replayed"] >= 1, caught
