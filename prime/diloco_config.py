@@ -19,7 +19,7 @@ class DilocoConfig(BaseModel):
                                 "late, keeping the local progress made meanwhile. streaming: the model is cut into "
                                 "`fragments`, synchronised one after another every H/fragments steps, each in the "
                                 "background for `overlap_steps` (see README).")
-    fragments: int = Field(4, ge=1, le=64, description="streaming: fragments of the model (consecutive layers, "
+    fragments: int = Field(5, ge=1, le=64, description="streaming: fragments of the model (consecutive layers, "
                                                        "about equal sizes); one is synchronised every H/fragments steps.")
     overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
                                                     "background before it is applied (0: H/fragments, the most).")

@@ -32,6 +32,10 @@ def test_overrides_are_typed():
     ({"data.source": "files", "data.path": "/nonexistent/*.jsonl"}, "does not exist"),
     ({"model.num_heads": "5"}, "hidden_size 64 is not divisible by num_heads 5"),
     ({"optim.schedule": "linear"}, "optim.schedule"),
+    ({"diloco.mode": "streaming", "diloco.fragments": "2"}, "diloco.inner_steps 5 is not a multiple of diloco.fragments 2"),
+    ({"diloco.mode": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2", "diloco.overlap_steps": "6"},
+     "diloco.overlap_steps 6 is over H/fragments = 5"),
+    ({"diloco.mode": "overlapped"}, "diloco.mode"),
 ])
 def test_bad_values_are_named(overrides, expected):
     with pytest.raises(ConfigError) as err:
