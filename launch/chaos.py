@@ -93,6 +93,15 @@ class FaultInjector:
         pid = self.cluster.nodes[name].pid
         return [pid, *descendants(pid)]
 
+    def _wait_log(self, name: str, text: str, since: int, timeout_s: float) -> bool:
+        """Whether `text` appears in the node's log after offset `since` before it exits or timeout_s passes."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.cluster.log(name)[since:]:
+            if time.monotonic() > deadline or self.cluster.nodes[name].poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
     # ---- kills -------------------------------------------------------------------------------------
     def kill(self, name: str) -> Fault:
         """SIGKILL the whole node now (wherever it is: usually in its inner steps)."""
@@ -113,25 +122,14 @@ class FaultInjector:
         """Starts a new node and SIGKILLs it once the coordinator admitted it, while it catches up."""
         seen = len(self.cluster.log(name))  # a reused name appends to the same log
         self.start_node(name)
-        deadline = time.monotonic() + timeout_s
-        while "joined run" not in self.cluster.log(name)[seen:]:
-            if time.monotonic() > deadline or self.cluster.nodes[name].poll() is not None:
-                self.cluster.kill_node(name)  # never leave it running as an extra member
-                raise RuntimeError(f"{name} was not admitted within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        if not self._wait_log(name, "joined run", seen, timeout_s):
+            self.cluster.kill_node(name)  # never leave it running as an extra member
+            raise RuntimeError(f"{name} was not admitted within {timeout_s:.0f} s")
         self.cluster.kill_node(name)
         self.cluster.nodes[name].wait()
         return self._record("kill-while-joining", name)
 
     # ---- a source that lies or dies while a joiner downloads from it --------------------------------------
-    def _wait_log(self, name: str, text: str, since: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.cluster.log(name)[since:]:
-            if time.monotonic() > deadline or self.cluster.nodes[name].poll() is not None:
-                return False
-            time.sleep(0.05)
-        return True
-
     def _command(self, name: str, command: str, text: str, timeout_s: float = 60) -> None:
         seen = len(self.cluster.log(name))
         (self.control_dir(name) / command).write_text(text)

@@ -132,6 +132,16 @@ class LocalCluster:
                 pass
         return {name: proc.poll() for name, proc in self.nodes.items()}
 
+    def run_nodes(self, names: list[str], timeout_s: float) -> None:
+        """Starts the coordinator (waiting for all of `names`) and the nodes, and waits for every node to
+        finish its run; a node that fails raises, with the exit codes and the first node's log."""
+        self.start_coordinator(start_nodes=len(names))
+        for name in names:
+            self.start_node(name)
+        codes = self.wait_nodes(timeout_s)
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"nodes did not finish: {codes}\n{self.log(names[0])[-2000:]}")
+
     def _prefix(self, host: str) -> list[str]:
         return self.wan.exec_prefix(host) if self.wan else []
 

@@ -1,6 +1,8 @@
-"""The coordinator's settings, and the error its decisions answer a request with."""
+"""The coordinator's settings, the error its decisions answer a request with, and the join checks that need no state."""
 
 from __future__ import annotations
+
+import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,3 +30,18 @@ class Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def check_shared_settings(run: dict | None, node: object) -> dict:
+    """The settings every node of a run must share (diloco.inner_steps, mode, ...), as the joining node
+    sent them; refused with each difference named when they differ from the run's (`run`: None for the
+    first node, whose settings become the run's)."""
+    if not isinstance(node, dict) or len(json.dumps(node)) > 4096:
+        raise Refused(400, "protocol must be a small JSON object of the settings every node must share")
+    if run is not None and run != node:
+        differ = sorted(k for k in set(run) | set(node) if run.get(k) != node.get(k))
+        raise Refused(409, "settings every node must share differ: " + ", ".join(
+            f"{k} is {node.get(k)!r} here but {run.get(k)!r} in the run" for k in differ)
+            + "; start the node with the run's settings")
+    return node
+

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
+from elastic_mesh.coordinator.config import CoordinatorConfig, Refused, check_shared_settings
 from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
 from elastic_mesh.coordinator.telemetry import TelemetryLog
@@ -83,9 +83,6 @@ class Coordinator:
         host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
         snapshot = [f"{host}:{int(p)}" for p in list(body.get("snapshot_ports") or [])[:64]]
         data_shards, data_id = int(body.get("data_shards", 0)), str(body.get("data_fingerprint", ""))[:64]
-        protocol = body.get("protocol") or {}
-        if not isinstance(protocol, dict) or len(json.dumps(protocol)) > 4096:
-            raise Refused(400, "protocol must be a small JSON object of the settings every node must share")
         restored = int(body.get("restored_step", 0))
         if restored:
             self._wait_for_reconnects()
@@ -99,11 +96,7 @@ class Coordinator:
                 raise Refused(409, f"this node runs {procs} processes but the run's nodes run {run_procs} "
                                    f"(global groups pair shards by local rank); use --nproc-per-node {run_procs}")
             run_protocol = json.loads(self.state.get_meta("protocol") or "null")
-            if run_protocol is not None and run_protocol != protocol:
-                differ = sorted(k for k in set(run_protocol) | set(protocol) if run_protocol.get(k) != protocol.get(k))
-                raise Refused(409, "settings every node must share differ: " + ", ".join(
-                    f"{k} is {protocol.get(k)!r} here but {run_protocol.get(k)!r} in the run" for k in differ)
-                    + "; start the node with the run's settings")
+            protocol = check_shared_settings(run_protocol, body.get("protocol") or {})
             if run_protocol is None:
                 self.state.set_meta("protocol", json.dumps(protocol, sort_keys=True))
             run_data = self.state.get_meta("data_fingerprint")

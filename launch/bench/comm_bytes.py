@@ -66,12 +66,7 @@ def diloco_bytes(wan, hosts, nodes, corpus, inner_steps) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as run_dir:
         with LocalCluster(Path(run_dir), "configs/debug.toml", overrides, wan=wan,
                           coordinator_args=["--min-wait-s", "30"]) as cluster:
-            cluster.start_coordinator(start_nodes=nodes)
-            for i in range(nodes):
-                cluster.start_node(f"node{i}")
-            codes = cluster.wait_nodes(1800)
-            if any(c != 0 for c in codes.values()):
-                raise RuntimeError(f"DiLoCo nodes failed: {codes}\n{cluster.log('node0')[-2000:]}")
+            cluster.run_nodes([f"node{i}" for i in range(nodes)], 1800)
     return total_sent(wan, hosts) - before, steps
 
 

@@ -69,12 +69,7 @@ def main() -> int:
             if value is not None:
                 diloco += [f"--diloco.{key}", str(value)]
         with LocalCluster(tmp / "diloco", args.config, diloco, coordinator_args=["--min-wait-s", "60"]) as c:
-            c.start_coordinator(start_nodes=args.nodes)
-            for i in range(args.nodes):
-                c.start_node(f"node{i}")
-            codes = c.wait_nodes(7200)
-            if any(code != 0 for code in codes.values()):
-                raise SystemExit(f"DiLoCo run failed: {codes}\n{c.log('node0')[-2000:]}")
+            c.run_nodes([f"node{i}" for i in range(args.nodes)], 7200)
         batch = config.train.batch_size * args.nodes
         dp = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={args.nodes}",
               "-m", "prime.train", "--config", args.config, "--run-dir", str(tmp / "dp"),

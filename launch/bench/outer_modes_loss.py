@@ -36,12 +36,7 @@ def main() -> int:
                      str(args.inner_steps), "--train.eval_every", "0", "--checkpoint.every", "0", *variant.split()]
         with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp), args.config, overrides,
                                                                 coordinator_args=["--min-wait-s", "30"]) as c:
-            c.start_coordinator(start_nodes=args.nodes)
-            for i in range(args.nodes):
-                c.start_node(f"node{i}")
-            codes = c.wait_nodes(3600)
-            if any(code != 0 for code in codes.values()):
-                raise SystemExit(f"{variant}: nodes exited {codes}\n{c.log('node0')[-2000:]}")
+            c.run_nodes([f"node{i}" for i in range(args.nodes)], 3600)
             rows.append((variant, [r["eval_loss"] for r in c.metrics("node0") if "eval_loss" in r][-1]))
             print(f"{variant:<72} eval loss {rows[-1][1]:.4f}", flush=True)
     print(f"\n{args.config}, {args.nodes} nodes, H={args.inner_steps}, {args.steps} steps; ratio to the first variant:")

@@ -26,11 +26,7 @@ def run(config: str, serve: bool, args, corpus: Path) -> float:
                  str(args.inner_steps), "--train.eval_every", "0", "--checkpoint.every", "0",
                  "--diloco.serve_snapshots", str(serve).lower(), "--diloco.linger_s", "0"]
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp), config, overrides) as c:
-        c.start_coordinator(start_nodes=2)
-        for name in ("node0", "node1"):
-            c.start_node(name)
-        if any(code != 0 for code in c.wait_nodes(3600).values()):
-            raise SystemExit(c.log("node0")[-2000:])
+        c.run_nodes(["node0", "node1"], 3600)
         # Skip the first round (start-up); every later inner step counts, those overlapping a publish included.
         rates = [r["tokens_per_s"] for n in ("node0", "node1") for r in c.metrics(n)
                  if "loss" in r and r["step"] > args.inner_steps]

@@ -87,11 +87,7 @@ def main() -> int:
             extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments)] if mode == "streaming" else [])
             with LocalCluster(Path(tmp) / mode, args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
-                c.start_coordinator(start_nodes=args.nodes)
-                for name in names:
-                    c.start_node(name)
-                if any(code != 0 for code in c.wait_nodes(3600).values()):
-                    raise SystemExit(c.log("node0")[-2000:])
+                c.run_nodes(names, 3600)
                 outer = list(c.outer_records("node0").values())
                 rate = tokens_per_s(c, names)
                 steps = [r for r in c.metrics("node0") if "loss" in r]
