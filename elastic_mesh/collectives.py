@@ -16,6 +16,11 @@ is capped by loss recovery (≈ MSS / RTT × 1.22 / √loss) well below the link
 Before the data moves, members exchange a small header (finite? norm?), so a member whose tensor is
 non-finite or absurdly large is left out of the mean by everyone alike and named. Received scales are
 checked too: a peer that lies in its header and sends garbage is named in the error.
+
+The header also carries the link rates each member measured coming in during the last scatter; with
+them every member picks the same ring for both phases (elastic_mesh/topology.py), one whose slowest
+hop is fast. The order changes who talks to whom when, never what is summed: results are bit-identical
+whatever the ring.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.codecs import BLOCK, Codec
+from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
 
 
 class CollectiveError(RuntimeError):
@@ -53,6 +59,9 @@ class AllReduceResult:
     # bit-identically and compressed.
     wire: torch.Tensor | None = None
     layout: list[list[int]] = field(default_factory=list)
+    ring: list[int] = field(default_factory=list)  # the order both phases took (ranks)
+    ring_changed: bool = False
+    rates: list[list[float]] | None = None  # bytes/s from i to j the ring was chosen on (None: no measurements)
 
 
 def decode_wire(wire: torch.Tensor, codec: Codec, layout: list[list[int]]) -> torch.Tensor:
@@ -82,55 +91,100 @@ def _post(start: Callable[[], object], phase: str):
         raise CollectiveError(f"{phase} failed: {e}", phase) from e
 
 
+class _TimedReceive:
+    """A receive announced by a 4-byte marker the sender puts on the same connection just before the
+    data: the time from marker to data is how long the data took on this pair, without the latency
+    or the wait for the sender to get to this step. A thread waits on both, so the times are taken
+    when they happen rather than when the caller gets round to looking."""
+
+    def __init__(self, pg: dist.ProcessGroup, frm: int, buffer: torch.Tensor, phase: str, tag: int) -> None:
+        self.frm, self.nbytes, self.phase = frm, buffer.numel() * buffer.element_size(), phase
+        self.marker = _post(lambda: pg.recv([torch.empty(1)], frm, tag + _MARKER_TAG), phase)
+        self.data = _post(lambda: pg.recv([buffer], frm, tag), phase)
+        self.seconds, self.error = float("nan"), None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"receive-from-{frm}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.marker.wait()
+            started = time.perf_counter()
+            self.data.wait()
+            self.seconds = time.perf_counter() - started
+        except RuntimeError as e:
+            self.error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise CollectiveError(f"{self.phase} failed: {self.error}", self.phase) from self.error
+
+
+_MARKER_TAG = 100
+
+
 def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
-              arrived: Callable[[int], None]) -> None:
-    """Sends a distinct buffer to every other member: in step s a member sends to rank + s (so it
-    receives from rank - s). Sends go one at a time, so each uplink carries one flow and each downlink
-    mostly one (posting every send at once, as Gloo's all-to-all does, makes N-1 senders converge on
-    each receiver's downlink: on a WAN, queue overflow, losses and collapsing TCP windows). Receives
-    are all posted up front, so a step never waits for the slower direction of the one before; each
-    arrival is decoded (`arrived`) while later transfers are on the wire."""
+              arrived: Callable[[int], None], order: list[int],
+              timed: Callable[[int, int, float], None] | None = None) -> None:
+    """Sends a distinct buffer to every other member: in step s a member sends to the one s places on
+    along the ring `order` (so it receives from the one s places back). Sends go one at a time, so
+    each uplink carries one flow and each downlink mostly one (posting every send at once, as Gloo's
+    all-to-all does, makes N-1 senders converge on each receiver's downlink: on a WAN, queue
+    overflow, losses and collapsing TCP windows). Receives are all posted up front, so a step never
+    waits for the slower direction of the one before; each arrival is decoded (`arrived`) while later
+    transfers are on the wire, and timed: timed(sender, bytes, seconds) for every pair."""
     rank, world = pg.rank(), pg.size()
-    senders = [(rank - s) % world for s in range(1, world)]
-    receiving = [(frm, _post(lambda frm=frm: pg.recv([incoming(frm)], frm, tag), phase)) for frm in senders]
+    at = order.index(rank)
+    receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag)
+                 for s in range(1, world)]
     arrived(rank)  # the member's own piece, while the first transfer is on the wire
+    marker = torch.zeros(1)
     for step in range(1, world):
-        to = (rank + step) % world
+        to = order[(at + step) % world]
+        announcing = _post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase)
         sending = _post(lambda: pg.send([outgoing(to)], to, tag), phase)
         if step + 1 < world:
-            outgoing((rank + step + 1) % world)  # prepare the next buffer meanwhile
-        frm, work = receiving[step - 1]
-        _wait(work, phase)
-        arrived(frm)
+            outgoing(order[(at + step + 1) % world])  # prepare the next buffer meanwhile
+        receive = receiving[step - 1]
+        receive.wait()
+        arrived(receive.frm)
+        if timed:
+            timed(receive.frm, receive.nbytes, receive.seconds)
+        _wait(announcing, phase)
         _wait(sending, phase)
 
 
 def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, tag: int,
-                 arrived: Callable[[int], None]) -> None:
-    """All-gather on a ring: in step s a member forwards chunk (rank - s + 1) to rank + 1 and receives
-    chunk (rank - s) from rank - 1. Every member uploads N-1 chunks over one connection that stays busy
-    (its TCP window stays open), and decodes each chunk while the next one is on the wire."""
+                 arrived: Callable[[int], None], order: list[int]) -> None:
+    """All-gather on the ring `order`: in step s a member forwards the chunk it got s-1 steps ago to
+    its right-hand neighbour and receives one from its left. Every member uploads N-1 chunks over one
+    connection that stays busy (its TCP window stays open), and decodes each chunk while the next
+    one is on the wire. All hops move at once: the ring goes at its slowest hop's rate."""
     rank, world = pg.rank(), pg.size()
-    right, left = (rank + 1) % world, (rank - 1) % world
+    at = order.index(rank)
+    right, left = order[(at + 1) % world], order[(at - 1) % world]
     done = rank
     for step in range(1, world):
-        sending = _post(lambda: pg.send([chunks[(rank - step + 1) % world]], right, tag), phase)
-        receiving = _post(lambda: pg.recv([chunks[(rank - step) % world]], left, tag), phase)
+        sending = _post(lambda: pg.send([chunks[order[(at - step + 1) % world]]], right, tag), phase)
+        receiving = _post(lambda: pg.recv([chunks[order[(at - step) % world]]], left, tag), phase)
         arrived(done)
         _wait(receiving, phase)
         _wait(sending, phase)
-        done = (rank - step) % world
+        done = order[(at - step) % world]
     arrived(done)
 
 
 def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Tensor, codec: Codec,
                     contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
-                    on_phase: Callable[[str], None] | None = None) -> AllReduceResult:
+                    on_phase: Callable[[str], None] | None = None, links: LinkEstimates | None = None,
+                    peers: list[str] | None = None) -> AllReduceResult:
     """Mean of `x` over the members whose `contributes` is true and whose tensor passes the header check.
 
     pg: one group, or several over the same members (one stripe of the tensor moves over each, at once).
     valid=False lets a caller that checked more than this tensor (e.g. all shards of a node) refuse it;
     a norm above outlier_factor × the median of the others' (3+ contributors) is refused as absurd.
+    links: this member's measured link rates (updated here), keyed by `peers` (a name per rank); the
+    ring follows the measurements only if every member passes links, else it is rank order.
     """
     started = time.perf_counter()
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
@@ -138,13 +192,21 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     x = x.detach().reshape(-1).float().cpu()
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
-    header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0,
-                           1.0 if contributes[rank] else 0.0, float(x.numel())])
-    headers = [torch.empty(4) for _ in range(world)]
+    peers = peers or [str(r) for r in range(world)]
+    header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0, 1.0 if contributes[rank] else 0.0,
+                           float(x.numel()), 1.0 if links else 0.0,
+                           *(links.incoming(peers) if links else [0.0] * world),
+                           *(links.last_ring(peers) if links else range(world))])
+    headers = [torch.empty(header_size(world)) for _ in range(world)]
     _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
+    ring, rates = _agree_on_ring(headers, world)
+    ring_changed = False
+    if links:
+        ring_changed = links.last_ring(peers) != ring
+        links.used(ring, peers)
     refused: dict[int, str] = {}
     for r, h in enumerate(headers):
         if contributes[r] and h[0] == 0:
@@ -175,7 +237,9 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
                 on_phase("scatter")
         try:
             start, end = bounds[i]
-            stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter)
+            timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links and i == 0 else None
+            stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter,
+                                        ring, timed)
         except CollectiveError as e:
             errors.append(e)
             phases_done.abort()
@@ -195,10 +259,33 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
         raise (blamed or errors)[0]
     if on_phase:
         on_phase("gather")
-    moved = sum(st.moved for st in stripes) + (world - 1) * 16  # both phases plus the headers
+    # Both phases, the headers and the 4-byte markers that time each scatter transfer.
+    moved = sum(st.moved for st in stripes) + (world - 1) * (4 * header_size(world) + 4 * len(stripes))
     return AllReduceResult(torch.cat([st.mean for st in stripes]), contributors, refused, moved, moved,
                            time.perf_counter() - started, wire=torch.cat([st.wire for st in stripes]),
-                           layout=[[st.chunk, st.mean.numel(), world] for st in stripes])
+                           layout=[[st.chunk, st.mean.numel(), world] for st in stripes], ring=ring,
+                           ring_changed=ring_changed, rates=rates)
+
+
+def header_size(world: int) -> int:
+    """Floats in a member's header: finite, norm, contributes, elements, follows-links, then its
+    measured incoming rate from each member, then the ring it last used (only member 0's counts)."""
+    return 5 + 2 * world
+
+
+def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], list[list[float]] | None]:
+    """The ring every member computes alike from the same headers: rank order unless every member
+    follows links; else member 0's last ring, or a ring with a clearly faster slowest hop."""
+    identity = list(range(world))
+    if world <= 2 or not all(h[4] == 1 for h in headers):
+        return identity, None
+    previous = [int(v) for v in headers[0][5 + world:5 + 2 * world].tolist()]
+    if sorted(previous) != identity:  # member 0 sent nonsense: start over from rank order
+        previous = identity
+    rates = rate_matrix([h[5:5 + world].tolist() for h in headers])
+    if rates is None:
+        return previous, None
+    return choose_ring(rates, previous), rates
 
 
 @dataclass
@@ -210,7 +297,8 @@ class _Stripe:
 
 
 def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributors: list[int],
-                   headers: list[torch.Tensor], after_scatter: Callable[[], None]) -> _Stripe:
+                   headers: list[torch.Tensor], after_scatter: Callable[[], None], ring: list[int],
+                   timed: Callable[[int, int, float], None] | None) -> _Stripe:
     """Scatter then gather of one stripe over one group (see the module's docstring)."""
     rank, world = pg.rank(), pg.size()
     total = x.numel()
@@ -244,7 +332,8 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
                                   f"(norm {part_norm:.3g}, declared {float(headers[r][1]):.3g})", "scatter", blame=[r])
         parts[r] = part
 
-    _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate)
+    _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate,
+              ring, timed)
     after_scatter()
     mean_chunk = torch.zeros(chunk)
     for r in contributors:  # summed in rank order, whatever order they arrived in: deterministic
@@ -266,5 +355,5 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
         mean[r * chunk:(r + 1) * chunk] = piece
 
     # place(rank) decodes the member's own chunk from the encoded bytes, like everyone else's.
-    _ring_gather(pg, gathered, "gather", 2, place)
+    _ring_gather(pg, gathered, "gather", 2, place, ring)
     return _Stripe(mean[:total], torch.cat(gathered), chunk, (world - 1) * encoded * 2)

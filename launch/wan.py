@@ -9,7 +9,8 @@ Backends: `netem` (kernel qdiscs on veth pairs through a bridge) where the kerne
 otherwise `tun`, a user-space emulator over TUN devices (launch/wan_emulator.py) that puts the same
 delay, jitter, loss and rate limits on every packet. `backend` says which one ran; tests print it.
 Each host's profile is its access link: a packet from A to B crosses A's upload then B's download,
-so the RTT between A and B is 2 × (latency A + latency B).
+so the RTT between A and B is 2 × (latency A + latency B). `paths` adds a route between two hosts
+that is worse than their access links (tun backend only), so topologies need not be stars.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ class LinkProfile(BaseModel):
     loss: float = Field(0.0, ge=0, lt=1, description="Packet loss probability per direction.")
     up_mbit: float = Field(gt=0, description="Upload rate, Mbit/s.")
     down_mbit: float = Field(gt=0, description="Download rate, Mbit/s.")
+
+
+class PathProfile(BaseModel):
+    """The route between two hosts, each direction alike, where it is worse than their access links
+    (a congested peering, a detour across an ocean). A packet crosses the sender's upload, then this,
+    then the receiver's download."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    latency_ms: float = Field(0.0, ge=0, description="Extra one-way latency on this route.")
+    jitter_ms: float = Field(0.0, ge=0, description="Uniform ± jitter per packet (no reordering).")
+    loss: float = Field(0.0, ge=0, lt=1, description="Packet loss probability per direction.")
+    mbit: float = Field(gt=0, description="Rate of the route, Mbit/s, each direction.")
 
 
 # Latencies: half the typical RTT between regions is split over the two access links (so two `us`
@@ -80,15 +94,24 @@ def can_emulate() -> str | None:
 
 class WanTopology:
     def __init__(self, hosts: list[str], profile: str | LinkProfile = "lan",
-                 overrides: dict[str, LinkProfile] | None = None, backend: str = "auto") -> None:
+                 overrides: dict[str, LinkProfile] | None = None, backend: str = "auto",
+                 paths: dict[tuple[str, str], PathProfile] | None = None) -> None:
         why = can_emulate()
         if why:
             raise RuntimeError(f"cannot emulate a WAN here: {why}")
         base = PROFILES[profile] if isinstance(profile, str) else profile
         self.profiles = {h: (overrides or {}).get(h, base) for h in hosts}
+        self.paths = dict(paths or {})
+        unknown = sorted({h for pair in self.paths for h in pair} - set(hosts))
+        if unknown:
+            raise ValueError(f"paths name hosts that are not in the topology: {unknown}")
         self.hosts = hosts
         self.tag = f"pw{os.getpid() % 100000}"
-        self.backend = ("netem" if kernel_has_netem() else "tun") if backend == "auto" else backend
+        self.backend = ("netem" if kernel_has_netem() and not self.paths else "tun") if backend == "auto" else backend
+        if self.backend == "netem" and self.paths:
+            # netem shapes a device, and a host's access link is one device; a route per peer would need
+            # per-destination classes we have no kernel here to test. The tun emulator does routes.
+            raise ValueError("per-pair paths need the tun backend (backend='tun' or 'auto')")
         self._emulator: subprocess.Popen | None = None
         self._workdir = Path(tempfile.mkdtemp(prefix="prime-wan-"))
         self._up = False
@@ -108,7 +131,9 @@ class WanTopology:
     def describe(self) -> str:
         links = ", ".join(f"{h}: {p.latency_ms:g} ms ±{p.jitter_ms:g}, {p.loss * 100:g}% loss, "
                           f"{p.up_mbit:g}/{p.down_mbit:g} Mbit/s" for h, p in self.profiles.items())
-        return f"WAN backend {self.backend}; {links}"
+        routes = "".join(f"; route {a}<->{b}: +{p.latency_ms:g} ms, {p.loss * 100:g}% loss, {p.mbit:g} Mbit/s"
+                         for (a, b), p in self.paths.items())
+        return f"WAN backend {self.backend}; {links}{routes}"
 
     def up(self) -> "WanTopology":
         atexit.register(self.down)
@@ -125,7 +150,8 @@ class WanTopology:
 
     def _start_tun(self) -> None:
         config = {"prefix_len": 16, "hosts": [{"name": h, "namespace": self.namespace(h), "address": self.address(h),
-                                               "profile": self.profiles[h].model_dump()} for h in self.hosts]}
+                                               "profile": self.profiles[h].model_dump()} for h in self.hosts],
+                  "paths": [{"a": a, "b": b, "profile": p.model_dump()} for (a, b), p in self.paths.items()]}
         path = self._workdir / "emulator.json"
         path.write_text(json.dumps(config))
         self._emulator = subprocess.Popen([sys.executable, str(REPO / "launch" / "wan_emulator.py"), str(path)],

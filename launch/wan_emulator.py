@@ -3,8 +3,9 @@
 Runs in the root network namespace. For every emulated host it opens a TUN device *inside* that
 host's namespace (setns), gives it the host's address, and then switches IP packets between the TUN
 devices itself, imposing on each packet what the links would: the sender's upload (serialization at
-its rate, a bounded FIFO queue with tail drop, one-way latency, jitter, loss), then the receiver's
-download (the same). Jitter never reorders packets on a link (FIFO), as on a real path.
+its rate, a bounded FIFO queue with tail drop, one-way latency, jitter, loss), then, if the pair has
+one, the path between the two (the same, one per direction: a congested route, a long detour), then
+the receiver's download (the same). Jitter never reorders packets on a link (FIFO), as on a real path.
 
     python launch/wan_emulator.py CONFIG.json     (started by launch/wan.py, prints "ready")
 """
@@ -82,12 +83,11 @@ class Link:
         return delivery
 
 
-def _links(profile: dict) -> tuple[Link, Link]:
+def _link(profile: dict, mbit: float) -> Link:
     latency, jitter, loss = profile["latency_ms"] / 1e3, profile["jitter_ms"] / 1e3, profile["loss"]
     # Room for a few round trips of data at full rate, so TCP can fill the link; beyond that, tail drop.
     queue_s = max(0.05, 4 * latency + 0.02)
-    return (Link(profile["up_mbit"] * 1e6, latency, jitter, loss, queue_s),
-            Link(profile["down_mbit"] * 1e6, latency, jitter, loss, queue_s))
+    return Link(mbit * 1e6, latency, jitter, loss, queue_s)
 
 
 def main() -> int:
@@ -98,18 +98,23 @@ def main() -> int:
     for host in hosts:
         fd = open_tun(host["namespace"], "wan0")
         fds[host["name"]] = fd
-        up[host["name"]], down[host["name"]] = _links(host["profile"])
+        up[host["name"]] = _link(host["profile"], host["profile"]["up_mbit"])
+        down[host["name"]] = _link(host["profile"], host["profile"]["down_mbit"])
         by_address[bytes(int(x) for x in host["address"].split("."))] = host["name"]
         ns = ["ip", "netns", "exec", host["namespace"]]
         subprocess.run(ns + ["ip", "addr", "add", f"{host['address']}/{config['prefix_len']}", "dev", "wan0"], check=True)
         subprocess.run(ns + ["ip", "link", "set", "wan0", "mtu", str(MTU), "up"], check=True)
+    paths = {}  # (from, to) -> Link: the route between two hosts, where it is slower than their access links
+    for path in config.get("paths", []):
+        for a, b in ((path["a"], path["b"]), (path["b"], path["a"])):
+            paths[(a, b)] = _link(path["profile"], path["profile"]["mbit"])
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     selector = selectors.DefaultSelector()
     for name, fd in fds.items():
         selector.register(fd, selectors.EVENT_READ, name)
-    events: list = []  # (time, seq, stage, destination, packet)
+    events: list = []  # (time, seq, stage, source, destination, packet)
     seq = 0
     print("ready", flush=True)
     while not stop:
@@ -130,15 +135,20 @@ def main() -> int:
                 arrival = up[source].schedule(time.monotonic(), len(packet), rng)
                 if arrival is not None:
                     seq += 1
-                    heapq.heappush(events, (arrival, seq, 1, destination, packet))
+                    heapq.heappush(events, (arrival, seq, 1, source, destination, packet))
         now = time.monotonic()
         while events and events[0][0] <= now:
-            _, _, stage, destination, packet = heapq.heappop(events)
-            if stage == 1:  # reached the far side of the sender's uplink: now the receiver's downlink
+            _, _, stage, source, destination, packet = heapq.heappop(events)
+            if stage == 1 and (source, destination) in paths:  # off the sender's uplink, onto the route
+                crossed = paths[(source, destination)].schedule(now, len(packet), rng)
+                if crossed is not None:
+                    seq += 1
+                    heapq.heappush(events, (crossed, seq, 2, source, destination, packet))
+            elif stage in (1, 2):  # now the receiver's downlink
                 delivery = down[destination].schedule(now, len(packet), rng)
                 if delivery is not None:
                     seq += 1
-                    heapq.heappush(events, (delivery, seq, 2, destination, packet))
+                    heapq.heappush(events, (delivery, seq, 3, source, destination, packet))
             else:
                 try:
                     os.write(fds[destination], packet)
@@ -146,6 +156,7 @@ def main() -> int:
                     down[destination].dropped += 1
     stats = {name: {"up_dropped": up[name].dropped, "down_dropped": down[name].dropped,
                     "up_packets": up[name].carried, "down_packets": down[name].carried} for name in fds}
+    stats.update({f"{a}->{b}": {"dropped": link.dropped, "packets": link.carried} for (a, b), link in paths.items()})
     print(json.dumps({"stats": stats}), flush=True)
     return 0
 

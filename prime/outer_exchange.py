@@ -15,6 +15,7 @@ import torch
 from elastic_mesh.client import CoordinatorError
 from elastic_mesh.codecs import Codec
 from elastic_mesh.collectives import AllReduceResult, CollectiveError, all_reduce_mean
+from elastic_mesh.topology import describe_ring
 from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,12 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
                 raise CollectiveError("another local rank failed before the transfer", "start")
             pg = mesh.group(plan)
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
+            names = [m["name"] for m in plan.members]
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
-                                     outlier_factor=outlier_factor, on_phase=on_phase)
+                                     outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
+                                     links=mesh.links if mesh.config.ring_order == "measured" else None)
+            if result.ring_changed and mesh.local_rank == 0:
+                log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))
         except (CollectiveError, CoordinatorError, RuntimeError) as e:
             ok, blame = False, getattr(e, "blame", [])
             log.warning("%s: outer step %d attempt %d failed: %s", mesh.name, step, plan.attempt,

@@ -57,14 +57,19 @@ def _member(rank, world, port, size, compression, special, queue, streams=1):
 def _lie(pg, x, codec, world, queue):
     """A hostile member speaking the wire protocol by hand: an honest-looking header, then garbage."""
     from elastic_mesh.codecs import BLOCK
+    from elastic_mesh.collectives import header_size
 
-    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel())])
-    pg.allgather([[torch.empty(4) for _ in range(world)]], [header]).wait()
+    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world)])
+    assert header.numel() == header_size(world)
+    pg.allgather([[torch.empty(header_size(world)) for _ in range(world)]], [header]).wait()
     chunk = -(-(-(-x.numel() // world)) // BLOCK) * BLOCK
     garbage = codec.encode(torch.randn(chunk) * 1e6)
     try:
         for tag in (1, 2):  # scatter, then gather: pairwise steps, as the honest members do
             for step in range(1, world):
+                if tag == 1:  # each scatter transfer is announced by a 4-byte marker, which times it
+                    pg.send([torch.zeros(1)], (1 + step) % world, tag + 100).wait()
+                    pg.recv([torch.empty(1)], (1 - step) % world, tag + 100).wait()
                 sent = pg.send([garbage], (1 + step) % world, tag)
                 pg.recv([torch.empty_like(garbage)], (1 - step) % world, tag).wait()
                 sent.wait()
@@ -106,7 +111,8 @@ def test_int8_error_is_under_one_percent_and_flat_in_members(world):
     assert error <= 0.01, f"relative RMS error {error:.4f} at {world} members"
     # Each member sends and receives 2 × (N-1)/N of the int8 payload: flat in N, ~1/3.9 of fp32.
     chunk = -(-(-(-size // world)) // BLOCK) * BLOCK
-    assert results[0][4] == 2 * (world - 1) * codec_for("int8").encoded_size(chunk) + (world - 1) * 16
+    header, marker = 4 * (5 + 2 * world), 4
+    assert results[0][4] == 2 * (world - 1) * codec_for("int8").encoded_size(chunk) + (world - 1) * (header + marker)
 
 
 @pytest.mark.parametrize("size", [5_000, 300_007])
@@ -165,3 +171,47 @@ def test_int8_codec_roundtrip_extremes():
         assert ((y.double() - x.double()).norm() / x.double().norm()).item() < 0.01
     zeros = torch.zeros(BLOCK)
     assert torch.equal(codec.decode(codec.encode(zeros), BLOCK), zeros)
+
+
+def _ring_member(rank, world, port, size, queue):
+    """A member whose link estimates say the route between members 0 and 1 is slow (as a previous
+    all-reduce would have measured): the ring must avoid it, and the mean must not change."""
+    import torch.distributed as dist
+
+    from elastic_mesh.collectives import all_reduce_mean
+    from elastic_mesh.topology import LinkEstimates
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=60))
+    x = torch.randn(size, generator=torch.Generator().manual_seed(rank))
+    names = [f"node{r}" for r in range(world)]
+    links = LinkEstimates()
+    for peer in range(world):  # seeded: loopback has no slow route to measure
+        if peer != rank:
+            links.observe(names[peer], 1_000_000, 10.0 if {rank, peer} == {0, 1} else 1.0)
+    plain = all_reduce_mean(pg, x, codec_for("int8"), [True] * world)
+    ordered = all_reduce_mean(pg, x, codec_for("int8"), [True] * world, links=links, peers=names)
+    queue.put((rank, plain.ring, ordered.ring, ordered.ring_changed, torch.equal(plain.mean, ordered.mean),
+               hashlib.sha256(ordered.mean.numpy().tobytes()).hexdigest()))
+
+
+def test_measured_ring_avoids_a_slow_route_and_gives_the_same_bits():
+    world, size = 4, 50_000
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_ring_member, args=(r, world, port, size, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    rings = {tuple(r[2]) for r in results}
+    assert len(rings) == 1, f"members chose different rings: {rings}"
+    ring = list(rings.pop())
+    assert results[0][1] == [0, 1, 2, 3]  # without estimates: rank order
+    hops = {(ring[k], ring[(k + 1) % world]) for k in range(world)}
+    assert not hops & {(0, 1), (1, 0)}, f"ring {ring} still crosses the slow route"
+    assert all(r[3] for r in results), "the ring change was not reported"
+    assert all(r[4] for r in results), "the mean changed with the ring"
+    assert len({r[5] for r in results}) == 1

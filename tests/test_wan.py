@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from launch.cluster import LocalCluster
-from launch.wan import PROFILES, LinkProfile, WanTopology, can_emulate
+from launch.wan import PROFILES, LinkProfile, PathProfile, WanTopology, can_emulate
 
 pytestmark = pytest.mark.skipif(can_emulate() is not None, reason=f"no WAN emulation here: {can_emulate()}")
 PROBE = ["launch/wan_probe.py"]
@@ -64,6 +64,39 @@ def test_named_profiles_have_the_stated_rtt():
     expected = 4 * PROFILES["transatlantic"].latency_ms
     print(f"transatlantic RTT {rtt['rtt_ms']:.1f} ms (configured {expected}) on backend {wan.backend}")
     assert abs(rtt["rtt_ms"] - expected) <= 0.1 * expected
+
+
+def test_a_route_between_two_hosts_has_its_own_latency_and_rate():
+    access = LinkProfile(latency_ms=5, up_mbit=20, down_mbit=20)
+    route = PathProfile(latency_ms=20, mbit=4)
+    with WanTopology(["a", "b", "c"], access, paths={("a", "b"): route}) as wan:
+        print(wan.describe())
+        server_b, server_c = serving(wan, "b", 9000), serving(wan, "c", 9000)
+        rtt_b = probe(wan, "a", "rtt", wan.address("b"), "9000", "10")["rtt_ms"]
+        rtt_c = probe(wan, "a", "rtt", wan.address("c"), "9000", "10")["rtt_ms"]
+        rate_b = probe(wan, "a", "throughput", wan.address("b"), "9000", "3")["mbit_s"]
+        server_b.kill()
+        server_c.kill()
+    print(f"a-b over the route: RTT {rtt_b:.1f} ms (configured 60), {rate_b:.2f} Mbit/s (configured 4); "
+          f"a-c: RTT {rtt_c:.1f} ms (configured 20); backend {wan.backend}")
+    # The route adds its latency to a-b only. Tolerance: 10%, plus 5 ms for the user-space emulator's
+    # own scheduling on a loaded 2-core machine (measured: 2-3 ms per direction with 4 busy processes).
+    assert abs(rtt_b - 60) <= 6 + 5 and abs(rtt_c - 20) <= 2 + 5 and rtt_b - rtt_c > 30
+    assert 0.85 * 4 <= rate_b <= 1.02 * 4
+
+
+def test_measured_ring_avoids_a_slow_route():
+    """Four members, one slow route (m0 <-> m1): the first all-reduce runs in rank order and measures
+    every pair; the next ones take a ring without the slow hop (launch/bench/topology.py times it)."""
+    from launch.bench.topology import run
+
+    access = LinkProfile(latency_ms=5, up_mbit=20, down_mbit=20)
+    results = run(4, 4.0, 1, access, [(0, 1)], PathProfile(latency_ms=20, mbit=4))
+    rings = results["prime_int8_measured_x1_rings"]
+    print(f"rings {rings} on backend {results['backend']}; measured rates {results['rates']}")
+    assert rings[0] == [0, 1, 2, 3]
+    hops = {(rings[-1][k], rings[-1][(k + 1) % 4]) for k in range(4)}
+    assert not hops & {(0, 1), (1, 0)}, f"ring {rings[-1]} still crosses the slow route"
 
 
 def test_teardown_removes_namespaces():

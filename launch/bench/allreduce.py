@@ -58,7 +58,7 @@ def main() -> int:
     int8_need = results["int8_bytes_sent"]
     print(f"{n} members, {args.mb:g} MB fp32 each, {args.mbit:g} Mbit/s links, {2 * 2 * args.latency_ms:g} ms RTT, "
           f"{args.loss:g}% loss per access link (backend {wan.backend}), median of {args.repeats}")
-    int8 = {s: statistics.median(results[f"prime_int8_x{s}"]) for s in streams}
+    int8 = {s: statistics.median(results[f"prime_int8_fixed_x{s}"]) for s in streams}
     if not args.no_fp32:
         fp32_s = statistics.median(results["gloo_fp32"])
         print(f"Gloo fp32 all_reduce: {fp32_s:.2f} s, effective {fp32_need / fp32_s / link:.2f} of link rate")

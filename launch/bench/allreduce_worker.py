@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from elastic_mesh.codecs import codec_for  # noqa: E402
 from elastic_mesh.collectives import all_reduce_mean  # noqa: E402
+from elastic_mesh.topology import LinkEstimates  # noqa: E402
 
 
 def main() -> None:
@@ -22,6 +23,10 @@ def main() -> None:
                                                    float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     settings = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
     streams, with_fp32 = settings.get("streams", [1]), settings.get("fp32", True)
+    # "fixed": the ring in rank order; "measured": the ring chosen from link rates measured by the
+    # all-reduces themselves (kept across repeats, as a node keeps them across outer steps).
+    rings = settings.get("rings", ["fixed"])
+    links = LinkEstimates()
     torch.set_num_threads(1)
     host, port = master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=300))
@@ -34,7 +39,7 @@ def main() -> None:
     pg = groups[0]
     n = int(mb * 1e6 / 4)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    names = (["gloo_fp32"] if with_fp32 else []) + [f"prime_int8_x{s}" for s in streams]
+    names = (["gloo_fp32"] if with_fp32 else []) + [f"prime_int8_{ring}_x{s}" for ring in rings for s in streams]
     results = {name: [] for name in names}
     results["int8_bytes_sent"] = 0
     pg.barrier().wait()
@@ -48,9 +53,14 @@ def main() -> None:
             else:
                 marks = {}
                 count = int(name.rsplit("x", 1)[1])
+                measured = "_measured_" in name
                 result = all_reduce_mean(groups[:count], x, codec_for("int8"), [True] * world,
-                                         on_phase=lambda p: marks.__setitem__(p, time.perf_counter() - started))
+                                         on_phase=lambda p: marks.__setitem__(p, time.perf_counter() - started),
+                                         links=links if measured else None)
                 results.setdefault("phases", []).append(marks)
+                results.setdefault(f"{name}_rings", []).append(result.ring)
+                if measured:
+                    results["rates"] = result.rates
                 results["int8_bytes_sent"] = result.bytes_sent
             results[name].append(time.perf_counter() - started)
     if rank == 0:
