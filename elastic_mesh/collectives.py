@@ -279,7 +279,7 @@ def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], 
     identity = list(range(world))
     if world <= 2 or not all(h[4] == 1 for h in headers):
         return identity, None
-    previous = [int(v) for v in headers[0][5 + world:5 + 2 * world].tolist()]
+    previous = [int(v) if math.isfinite(v) else -1 for v in headers[0][5 + world:5 + 2 * world].tolist()]
     if sorted(previous) != identity:  # member 0 sent nonsense: start over from rank order
         previous = identity
     rates = rate_matrix([h[5:5 + world].tolist() for h in headers])

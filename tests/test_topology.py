@@ -63,3 +63,24 @@ def test_rate_matrix_fills_gaps_with_the_median_and_needs_some_measurement():
     rates = rate_matrix(rows)
     assert rates[1][0] == 4.0 and rates[0][2] == 8.0 and rates[2][1] == 6.0
     assert rates[0][1] == 6.0 and rates[1][2] == 6.0  # nan and -1: the median of 2, 4, 6, 8 (upper)
+
+
+def test_members_agree_on_rank_order_when_one_does_not_follow_links_or_member_0_sends_nonsense():
+    import torch
+
+    from elastic_mesh.collectives import _agree_on_ring, header_size
+
+    world = 4
+    slow = [[0.0 if i == j else (1.0 if {i, j} == {0, 1} else 10.0) for i in range(world)] for j in range(world)]
+
+    def headers(follows, ring):
+        return [torch.tensor([1, 1, 1, 100, float(follows[j]), *slow[j], *ring], dtype=torch.float32)
+                for j in range(world)]
+
+    assert all(h.numel() == header_size(world) for h in headers([1] * 4, range(4)))
+    ring, rates = _agree_on_ring(headers([1] * 4, range(4)), world)
+    assert (ring[0], ring[1]) != (0, 1) and rates is not None  # follows links: the slow hop is avoided
+    assert _agree_on_ring(headers([1, 1, 0, 1], range(4)), world) == ([0, 1, 2, 3], None)
+    for nonsense in ([float("nan"), 1, 2, 3], [0, 0, 1, 2], [0, 1, 2, 1e12]):
+        ring, _ = _agree_on_ring(headers([1] * 4, nonsense), world)
+        assert sorted(ring) == [0, 1, 2, 3]

@@ -93,7 +93,8 @@ def main() -> int:
                 steps = [r for r in c.metrics("node0") if "loss" in r]
                 step_s = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)  # wall seconds per inner step
                 overlap = {"blocking": 0, "delayed": H, "streaming": H // args.fragments}[mode]
-                largest = max(r["bytes_sent"] for r in outer)
+                # The run's last outer step is left out: streaming's closes every fragment at once.
+                largest = max(r["bytes_sent"] for r in outer[:-1])
                 rows[mode] = {"rate": rate, "steady": tokens_per_s(c, names, *steady),
                               "eval": final_eval(c, "node0"), "outer_steps": len(outer),
                               "allreduce_s": sum(r["allreduce_s"] for r in outer),
