@@ -125,7 +125,7 @@ _MARKER_TAG = 100
 
 def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
               arrived: Callable[[int], None], order: list[int],
-              timed: Callable[[int, int, float], None] | None = None) -> None:
+              timed: Callable[[int, int, float], None] | None = None, slow: set[int] | None = None) -> None:
     """Sends a distinct buffer to every other member: in step s a member sends to the one s places on
     along the ring `order` (so it receives from the one s places back). Sends go one at a time, so
     each uplink carries one flow and each downlink mostly one (posting every send at once, as Gloo's
@@ -137,21 +137,51 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
     at = order.index(rank)
     receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag)
                  for s in range(1, world)]
-    arrived(rank)  # the member's own piece, while the first transfer is on the wire
     marker = torch.zeros(1)
+
+    def send(to: int) -> tuple:
+        return (_post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase),
+                _post(lambda: pg.send([outgoing(to)], to, tag), phase))
+
+    # Peers behind a slow route get their transfer at once, alongside the others: one at a time, a
+    # slow transfer would hold up every later step (its rate is the route's, so it takes little of the
+    # uplink from the transfers it runs beside). Their incoming transfers are waited for last.
+    slow_sends = [send(to) for to in (order[(at + s) % world] for s in range(1, world)) if to in (slow or ())]
+    arrived(rank)  # the member's own piece, while the first transfer is on the wire
+    later = []
     for step in range(1, world):
         to = order[(at + step) % world]
-        announcing = _post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase)
-        sending = _post(lambda: pg.send([outgoing(to)], to, tag), phase)
+        sending = None if to in (slow or ()) else send(to)
         if step + 1 < world:
             outgoing(order[(at + step + 1) % world])  # prepare the next buffer meanwhile
         receive = receiving[step - 1]
-        receive.wait()
-        arrived(receive.frm)
-        if timed:
-            timed(receive.frm, receive.nbytes, receive.seconds)
-        _wait(announcing, phase)
-        _wait(sending, phase)
+        if receive.frm in (slow or ()):
+            later.append(receive)
+        else:
+            _finish(receive, arrived, timed)
+        for work in sending or ():
+            _wait(work, phase)
+    for receive in later:
+        _finish(receive, arrived, timed)
+    for work in (w for pair in slow_sends for w in pair):
+        _wait(work, phase)
+
+
+def _finish(receive: _TimedReceive, arrived: Callable[[int], None], timed) -> None:
+    receive.wait()
+    arrived(receive.frm)
+    if timed:
+        timed(receive.frm, receive.nbytes, receive.seconds)
+
+
+def slow_peers(rank: int, rates: list[list[float]] | None, factor: float = 0.5) -> set[int]:
+    """Members the route to or from is slower than `factor` × the median route (measured)."""
+    if not rates:
+        return set()
+    world = len(rates)
+    values = sorted(rates[i][j] for i in range(world) for j in range(world) if i != j)
+    bar = factor * values[len(values) // 2]
+    return {j for j in range(world) if j != rank and min(rates[rank][j], rates[j][rank]) < bar}
 
 
 def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, tag: int,
@@ -239,7 +269,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
             start, end = bounds[i]
             timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links and i == 0 else None
             stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter,
-                                        ring, timed)
+                                        ring, timed, slow_peers(rank, rates))
         except CollectiveError as e:
             errors.append(e)
             phases_done.abort()
@@ -298,7 +328,7 @@ class _Stripe:
 
 def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributors: list[int],
                    headers: list[torch.Tensor], after_scatter: Callable[[], None], ring: list[int],
-                   timed: Callable[[int, int, float], None] | None) -> _Stripe:
+                   timed: Callable[[int, int, float], None] | None, slow: set[int]) -> _Stripe:
     """Scatter then gather of one stripe over one group (see the module's docstring)."""
     rank, world = pg.rank(), pg.size()
     total = x.numel()
@@ -333,7 +363,7 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
         parts[r] = part
 
     _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate,
-              ring, timed)
+              ring, timed, slow)
     after_scatter()
     mean_chunk = torch.zeros(chunk)
     for r in contributors:  # summed in rank order, whatever order they arrived in: deterministic

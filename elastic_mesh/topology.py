@@ -5,6 +5,9 @@ neighbour, all hops at once, so the ring moves at the rate of its slowest hop. B
 few pairs of nodes can be several times slower than the rest (a congested route, a long lossy path
 that caps a TCP stream); a ring that avoids them is that many times faster.
 
+The scatter cannot avoid a slow route (every member sends a chunk to every other), but it sends
+over slow routes at once, beside its other transfers, rather than in turn (collectives.slow_peers).
+
 Measurement is passive: the scatter phase already sends a chunk between every ordered pair of
 members, and the receiver times each one (see collectives._pairwise). Every member keeps what it
 measured coming in, keyed by the peer's name so it survives a change of membership, smoothed over

@@ -132,12 +132,15 @@ class LocalCluster:
                 pass
         return {name: proc.poll() for name, proc in self.nodes.items()}
 
-    def run_nodes(self, names: list[str], timeout_s: float) -> None:
+    def run_nodes(self, names: list[str], timeout_s: float, in_order: bool = False) -> None:
         """Starts the coordinator (waiting for all of `names`) and the nodes, and waits for every node to
-        finish its run; a node that fails raises, with the exit codes and the first node's log."""
+        finish its run; a node that fails raises, with the exit codes and the first node's log.
+        in_order: each node joins before the next starts, so their ranks follow `names`."""
         self.start_coordinator(start_nodes=len(names))
-        for name in names:
+        for k, name in enumerate(names, 1):
             self.start_node(name)
+            if in_order:
+                wait_for(lambda: len(self.status()["nodes"]) >= k, 120, f"{name} to join", every_s=1.0)
         codes = self.wait_nodes(timeout_s)
         if any(code != 0 for code in codes.values()):
             raise RuntimeError(f"nodes did not finish: {codes}\n{self.log(names[0])[-2000:]}")

@@ -84,3 +84,12 @@ def test_members_agree_on_rank_order_when_one_does_not_follow_links_or_member_0_
     for nonsense in ([float("nan"), 1, 2, 3], [0, 0, 1, 2], [0, 1, 2, 1e12]):
         ring, _ = _agree_on_ring(headers([1] * 4, nonsense), world)
         assert sorted(ring) == [0, 1, 2, 3]
+
+
+def test_slow_peers_are_the_ends_of_slow_routes_in_either_direction():
+    from elastic_mesh.collectives import slow_peers
+
+    rates = [[0.0 if i == j else 10.0 for j in range(4)] for i in range(4)]
+    rates[0][1] = 2.0  # one direction is enough
+    assert slow_peers(0, rates) == {1} and slow_peers(1, rates) == {0}
+    assert slow_peers(2, rates) == set() and slow_peers(0, None) == set()

@@ -54,7 +54,7 @@ def train(nodes: int, steps: int, inner_steps: int, access: LinkProfile, slow: l
         for order in ("rank", "measured"):
             with LocalCluster(Path(tmp) / order, "configs/debug.toml", [*overrides, "--mesh.ring_order", order],
                               wan=wan, coordinator_args=["--min-wait-s", "60"]) as c:
-                c.run_nodes(names, 3600)
+                c.run_nodes(names, 3600, in_order=True)  # ranks follow the names: rank order meets the slow route
                 records[order] = [r for _, r in sorted(c.outer_records("node0").items())]
                 rings = [line.split("ring is now ", 1)[1] for line in c.log("node0").splitlines() if "ring is now" in line]
                 print(f"ring_order={order}: {len(records[order])} outer steps; ring changes: {rings or 'none'}",
