@@ -134,7 +134,7 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
     waits for the slower direction of the one before; each arrival is decoded (`arrived`) while later
     transfers are on the wire, and timed: timed(sender, bytes, seconds) for every pair."""
     rank, world = pg.rank(), pg.size()
-    at = order.index(rank)
+    at, slow = order.index(rank), slow or set()
     receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag)
                  for s in range(1, world)]
     marker = torch.zeros(1)
@@ -146,20 +146,20 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
     # Peers behind a slow route get their transfer at once, alongside the others: one at a time, a
     # slow transfer would hold up every later step (its rate is the route's, so it takes little of the
     # uplink from the transfers it runs beside). Their incoming transfers are waited for last.
-    slow_sends = [send(to) for to in (order[(at + s) % world] for s in range(1, world)) if to in (slow or ())]
+    slow_sends = [send(to) for to in (order[(at + s) % world] for s in range(1, world)) if to in slow]
     arrived(rank)  # the member's own piece, while the first transfer is on the wire
     later = []
     for step in range(1, world):
         to = order[(at + step) % world]
-        sending = None if to in (slow or ()) else send(to)
+        sending = () if to in slow else send(to)
         if step + 1 < world:
             outgoing(order[(at + step + 1) % world])  # prepare the next buffer meanwhile
         receive = receiving[step - 1]
-        if receive.frm in (slow or ()):
+        if receive.frm in slow:
             later.append(receive)
         else:
             _finish(receive, arrived, timed)
-        for work in sending or ():
+        for work in sending:
             _wait(work, phase)
     for receive in later:
         _finish(receive, arrived, timed)
@@ -167,7 +167,8 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
         _wait(work, phase)
 
 
-def _finish(receive: _TimedReceive, arrived: Callable[[int], None], timed) -> None:
+def _finish(receive: _TimedReceive, arrived: Callable[[int], None],
+            timed: Callable[[int, int, float], None] | None) -> None:
     receive.wait()
     arrived(receive.frm)
     if timed:
