@@ -257,6 +257,9 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     stripes: list[_Stripe | None] = [None] * len(bounds)
     errors: list[CollectiveError] = []
     phases_done = threading.Barrier(len(bounds))
+    slow = slow_peers(rank, rates)
+    # Only stripe 0 is timed: with S stripes each sees about 1/S of a route, enough to tell the slow ones.
+    timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
 
     def run(i: int) -> None:
         def after_scatter() -> None:
@@ -268,9 +271,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
                 on_phase("scatter")
         try:
             start, end = bounds[i]
-            timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links and i == 0 else None
             stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter,
-                                        ring, timed, slow_peers(rank, rates))
+                                        ring, timed if i == 0 else None, slow)
         except CollectiveError as e:
             errors.append(e)
             phases_done.abort()

@@ -32,10 +32,6 @@ def hop_rates(order: list[int], rates: list[list[float]]) -> list[float]:
     return [rates[order[k]][order[(k + 1) % len(order)]] for k in range(len(order))]
 
 
-def _score(order: list[int], rates: list[list[float]]) -> list[float]:
-    return sorted(hop_rates(order, rates))
-
-
 def _widest_neighbour(start: int, rates: list[list[float]]) -> list[int]:
     n = len(rates)
     order, left = [start], set(range(n)) - {start}
@@ -172,10 +168,6 @@ class LinkEstimates:
     def used(self, ring: list[int], peers: list[str]) -> None:
         with self._lock:
             self._ring = [peers[r] for r in ring]
-
-    def summary(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._incoming)
 
 
 def rate_matrix(rows: list[list[float]]) -> list[list[float]] | None:
