@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.codecs import BLOCK, Codec
+from elastic_mesh.pacing import MAX_PIECE, MIN_PIECE, Pacer, PiecewiseSend, piece_bytes, pieces
 from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
 
 
@@ -97,10 +98,11 @@ class _TimedReceive:
     or the wait for the sender to get to this step. A thread waits on both, so the times are taken
     when they happen rather than when the caller gets round to looking."""
 
-    def __init__(self, pg: dist.ProcessGroup, frm: int, buffer: torch.Tensor, phase: str, tag: int) -> None:
+    def __init__(self, pg: dist.ProcessGroup, frm: int, buffer: torch.Tensor, phase: str, tag: int,
+                 piece: int = 0) -> None:
         self.frm, self.nbytes, self.phase = frm, buffer.numel() * buffer.element_size(), phase
         self.marker = _post(lambda: pg.recv([torch.empty(1)], frm, tag + _MARKER_TAG), phase)
-        self.data = _post(lambda: pg.recv([buffer], frm, tag), phase)
+        self.data = [_post(lambda: pg.recv([view], frm, tag), phase) for view in pieces(buffer, piece)]
         self.seconds, self.error = float("nan"), None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"receive-from-{frm}")
         self._thread.start()
@@ -109,7 +111,8 @@ class _TimedReceive:
         try:
             self.marker.wait()
             started = time.perf_counter()
-            self.data.wait()
+            for work in self.data:
+                work.wait()
             self.seconds = time.perf_counter() - started
         except RuntimeError as e:
             self.error = e
@@ -123,25 +126,33 @@ class _TimedReceive:
 _MARKER_TAG = 100
 
 
+def _send(pg: dist.ProcessGroup, buffer: torch.Tensor, to: int, tag: int, phase: str, piece: int,
+          pacer: Pacer | None) -> PiecewiseSend:
+    return PiecewiseSend(lambda view: _post(lambda: pg.send([view], to, tag), phase), lambda w: _wait(w, phase),
+                         buffer, piece, pacer, name=f"{phase}-send-to-{to}")
+
+
 def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
               arrived: Callable[[int], None], order: list[int],
-              timed: Callable[[int, int, float], None] | None = None, slow: set[int] | None = None) -> None:
+              timed: Callable[[int, int, float], None] | None = None, slow: set[int] | None = None,
+              piece: int = 0, pacer: Pacer | None = None) -> None:
     """Sends a distinct buffer to every other member: in step s a member sends to the one s places on
     along the ring `order` (so it receives from the one s places back). Sends go one at a time, so
     each uplink carries one flow and each downlink mostly one (posting every send at once, as Gloo's
     all-to-all does, makes N-1 senders converge on each receiver's downlink: on a WAN, queue
     overflow, losses and collapsing TCP windows). Receives are all posted up front, so a step never
     waits for the slower direction of the one before; each arrival is decoded (`arrived`) while later
-    transfers are on the wire, and timed: timed(sender, bytes, seconds) for every pair."""
+    transfers are on the wire, and timed: timed(sender, bytes, seconds) for every pair. Transfers move
+    in pieces of `piece` bytes (0: whole), posted at the `pacer`'s rate if there is one."""
     rank, world = pg.rank(), pg.size()
     at, slow = order.index(rank), slow or set()
-    receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag)
+    receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag, piece)
                  for s in range(1, world)]
     marker = torch.zeros(1)
 
     def send(to: int) -> tuple:
-        return (_post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase),
-                _post(lambda: pg.send([outgoing(to)], to, tag), phase))
+        announced = _post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase)
+        return announced, _send(pg, outgoing(to), to, tag, phase, piece, pacer)
 
     # Peers behind a slow route get their transfer at once, alongside the others: one at a time, a
     # slow transfer would hold up every later step (its rate is the route's, so it takes little of the
@@ -159,12 +170,18 @@ def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
             later.append(receive)
         else:
             _finish(receive, arrived, timed)
-        for work in sending:
-            _wait(work, phase)
+        _finish_send(sending, phase)
     for receive in later:
         _finish(receive, arrived, timed)
-    for work in (w for pair in slow_sends for w in pair):
-        _wait(work, phase)
+    for sending in slow_sends:
+        _finish_send(sending, phase)
+
+
+def _finish_send(sending: tuple, phase: str) -> None:
+    if sending:
+        announced, data = sending
+        _wait(announced, phase)
+        data.wait()
 
 
 def _finish(receive: _TimedReceive, arrived: Callable[[int], None],
@@ -186,7 +203,7 @@ def slow_peers(rank: int, rates: list[list[float]] | None, factor: float = 0.5) 
 
 
 def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, tag: int,
-                 arrived: Callable[[int], None], order: list[int]) -> None:
+                 arrived: Callable[[int], None], order: list[int], piece: int = 0, pacer: Pacer | None = None) -> None:
     """All-gather on the ring `order`: in step s a member forwards the chunk it got s-1 steps ago to
     its right-hand neighbour and receives one from its left. Every member uploads N-1 chunks over one
     connection that stays busy (its TCP window stays open), and decodes each chunk while the next
@@ -196,11 +213,13 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
     right, left = order[(at + 1) % world], order[(at - 1) % world]
     done = rank
     for step in range(1, world):
-        sending = _post(lambda: pg.send([chunks[order[(at - step + 1) % world]]], right, tag), phase)
-        receiving = _post(lambda: pg.recv([chunks[order[(at - step) % world]]], left, tag), phase)
+        sending = _send(pg, chunks[order[(at - step + 1) % world]], right, tag, phase, piece, pacer)
+        receiving = [_post(lambda: pg.recv([view], left, tag), phase)
+                     for view in pieces(chunks[order[(at - step) % world]], piece)]
         arrived(done)
-        _wait(receiving, phase)
-        _wait(sending, phase)
+        for work in receiving:
+            _wait(work, phase)
+        sending.wait()
         done = order[(at - step) % world]
     arrived(done)
 
@@ -208,7 +227,7 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
 def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Tensor, codec: Codec,
                     contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None, links: LinkEstimates | None = None,
-                    peers: list[str] | None = None) -> AllReduceResult:
+                    peers: list[str] | None = None, spread_s: float | None = None) -> AllReduceResult:
     """Mean of `x` over the members whose `contributes` is true and whose tensor passes the header check.
 
     pg: one group, or several over the same members (one stripe of the tensor moves over each, at once).
@@ -216,6 +235,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     a norm above outlier_factor × the median of the others' (3+ contributors) is refused as absurd.
     links: this member's measured link rates (updated here), keyed by `peers` (a name per rank); the
     ring follows the measurements only if every member passes links, else it is rank order.
+    spread_s: pace this member's sends so that they take about this long in all (elastic_mesh/pacing.py)
+    rather than going at the link's rate; a slower link still takes as long as it takes.
     """
     started = time.perf_counter()
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
@@ -224,16 +245,20 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
     peers = peers or [str(r) for r in range(world)]
+    # What this member will send (both phases), known before the header so it can ask for a piece size.
+    to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
+    pace = to_send / spread_s if spread_s and spread_s > 0 and world > 1 and to_send else None
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0, 1.0 if contributes[rank] else 0.0,
                            float(x.numel()), 1.0 if links else 0.0,
                            *(links.incoming(peers) if links else [0.0] * world),
-                           *(links.last_ring(peers) if links else range(world))])
+                           *(links.last_ring(peers) if links else range(world)), piece_bytes(pace) if pace else 0.0])
     headers = [torch.empty(header_size(world)) for _ in range(world)]
     _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
     ring, rates = _agree_on_ring(headers, world)
+    piece = _agree_on_piece(headers)
     ring_changed = False
     if links:
         ring_changed = links.last_ring(peers) != ring
@@ -260,6 +285,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     slow = slow_peers(rank, rates)
     # Only stripe 0 is timed: with S stripes each sees about 1/S of a route, enough to tell the slow ones.
     timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
+    pacer = Pacer(pace) if pace else None
 
     def run(i: int) -> None:
         def after_scatter() -> None:
@@ -272,7 +298,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
         try:
             start, end = bounds[i]
             stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter,
-                                        ring, timed if i == 0 else None, slow)
+                                        ring, timed if i == 0 else None, slow, piece, pacer)
         except CollectiveError as e:
             errors.append(e)
             phases_done.abort()
@@ -302,8 +328,9 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 
 def header_size(world: int) -> int:
     """Floats in a member's header: finite, norm, contributes, elements, follows-links, then its
-    measured incoming rate from each member, then the ring it last used (only member 0's counts)."""
-    return 5 + 2 * world
+    measured incoming rate from each member, then the ring it last used (only member 0's counts), then
+    the piece size it paces in (0: it does not; every transfer is cut in the largest size asked for)."""
+    return 6 + 2 * world
 
 
 def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], list[list[float]] | None]:
@@ -321,6 +348,12 @@ def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], 
     return choose_ring(rates, previous), rates
 
 
+def _agree_on_piece(headers: list[torch.Tensor]) -> int:
+    """The piece size every transfer is cut in: the largest any member asks for. One outside the range
+    a pacing member can ask for is ignored (tiny pieces would be a denial of service: millions of sends)."""
+    return max(int(h[-1]) if MIN_PIECE <= h[-1] <= MAX_PIECE else 0 for h in headers)
+
+
 @dataclass
 class _Stripe:
     mean: torch.Tensor
@@ -331,7 +364,8 @@ class _Stripe:
 
 def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributors: list[int],
                    headers: list[torch.Tensor], after_scatter: Callable[[], None], ring: list[int],
-                   timed: Callable[[int, int, float], None] | None, slow: set[int]) -> _Stripe:
+                   timed: Callable[[int, int, float], None] | None, slow: set[int], piece: int,
+                   pacer: Pacer | None) -> _Stripe:
     """Scatter then gather of one stripe over one group (see the module's docstring)."""
     rank, world = pg.rank(), pg.size()
     total = x.numel()
@@ -366,7 +400,7 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
         parts[r] = part
 
     _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate,
-              ring, timed, slow)
+              ring, timed, slow, piece, pacer)
     after_scatter()
     mean_chunk = torch.zeros(chunk)
     for r in contributors:  # summed in rank order, whatever order they arrived in: deterministic
@@ -388,5 +422,5 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
         mean[r * chunk:(r + 1) * chunk] = piece
 
     # place(rank) decodes the member's own chunk from the encoded bytes, like everyone else's.
-    _ring_gather(pg, gathered, "gather", 2, place, ring)
+    _ring_gather(pg, gathered, "gather", 2, place, ring, piece, pacer)
     return _Stripe(mean[:total], torch.cat(gathered), chunk, (world - 1) * encoded * 2)

@@ -136,11 +136,19 @@ class LocalCluster:
         """Starts the coordinator (waiting for all of `names`) and the nodes, and waits for every node to
         finish its run; a node that fails raises, with the exit codes and the first node's log.
         in_order: each node joins before the next starts, so their ranks follow `names`."""
+        self.start_nodes(names, in_order)
+        self.finish_nodes(names, timeout_s)
+
+    def start_nodes(self, names: list[str], in_order: bool = False) -> None:
+        """The first half of run_nodes: the coordinator and the nodes are started, not waited for."""
         self.start_coordinator(start_nodes=len(names))
         for k, name in enumerate(names, 1):
             self.start_node(name)
             if in_order:
                 wait_for(lambda: len(self.status()["nodes"]) >= k, 120, f"{name} to join", every_s=1.0)
+
+    def finish_nodes(self, names: list[str], timeout_s: float) -> None:
+        """The second half of run_nodes: waits for every node to end, and raises if one failed."""
         codes = self.wait_nodes(timeout_s)
         if any(code != 0 for code in codes.values()):
             raise RuntimeError(f"nodes did not finish: {codes}\n{self.log(names[0])[-2000:]}")

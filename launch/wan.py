@@ -206,6 +206,67 @@ class WanTopology:
         self.down()
 
 
+def interface_sent_bytes(pid: int, interface: str = "wan0") -> int:
+    """Bytes the emulated host's interface has transmitted, read from /proc/<pid>/net/dev of a process
+    in its namespace (no process spawned per reading, so sampling often costs the nodes nothing)."""
+    for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+        if line.strip().startswith(f"{interface}:"):
+            return int(line.split(":", 1)[1].split()[8])
+    raise RuntimeError(f"no {interface} interface in the namespace of process {pid}")
+
+
+class WireMeter:
+    """Samples each host's transmitted bytes (every `every_s`) while a run goes on, in a thread, so a
+    benchmark can report the peak rate on the wire over any window of `window_s` (a burst at the link's
+    rate shows; the same bytes spread out do not)."""
+
+    def __init__(self, pids: dict[str, int], every_s: float = 0.25) -> None:
+        import threading
+
+        self.samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+        self._pids, self._every_s, self._stop = pids, every_s, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="wire-meter")
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for name, pid in self._pids.items():
+                try:
+                    self.samples[name].append((now, interface_sent_bytes(pid)))
+                except (OSError, RuntimeError, ValueError):
+                    pass  # the process is gone: the run is over for that host
+            self._stop.wait(self._every_s)
+
+    def __enter__(self) -> "WireMeter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak_bytes_per_s(self, window_s: float = 1.0) -> float:
+        """The highest rate any host transmitted at over any `window_s` of the run."""
+        peak = 0.0
+        for samples in self.samples.values():
+            j = 0
+            for i, (t, sent) in enumerate(samples):
+                j = max(j, i + 1)
+                while j < len(samples) and samples[j][0] - t < window_s:
+                    j += 1
+                if j == len(samples):
+                    break
+                peak = max(peak, (samples[j][1] - sent) / (samples[j][0] - t))
+        return peak
+
+    def mean_bytes_per_s(self) -> float:
+        """Each host's bytes over its sampled span, averaged over hosts."""
+        rates = [(s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]) for s in self.samples.values() if len(s) > 1]
+        return sum(rates) / len(rates) if rates else 0.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Build an emulated WAN and run a command in one of its hosts.",
                                      epilog="example: python launch/wan.py --profile global --hosts a,b "

@@ -32,7 +32,7 @@ from elastic_mesh.snapshots import SnapshotError, build_snapshot
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
 from prime.optim import adam_state_tensors, load_adam_state
-from prime.outer_exchange import Exchange, InFlight, exchange
+from prime.outer_exchange import Exchange, InFlight, StepClock, exchange
 from prime.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class DilocoHook:
         # delayed: the background thread's coordinator calls and agreements use their own local group
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
+        self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
@@ -100,6 +101,7 @@ class DilocoHook:
             time.sleep(0.5)
 
     def after_step(self, trainer, step: int) -> dict | None:
+        self._clock.tick()
         if self.chaos.kill_at_inner_step and step == self.chaos.kill_at_inner_step:
             kill_node(f"inner step {step}")
         if self.chaos.step_delay_s:
@@ -110,9 +112,9 @@ class DilocoHook:
         return None if step % self.config.inner_steps else self._round(trainer)
 
     def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
-                  contributes: bool = True) -> Exchange:
+                  contributes: bool = True, spread_until: float | None = None) -> Exchange:
         return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor, self._fault(step),
-                        contributes)
+                        contributes, spread_until)
 
     def _out_of_step(self, trainer, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
@@ -244,8 +246,9 @@ class DilocoHook:
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
                             apply_at=step + self.config.overlap)
         if not last:
+            spread_until = self._clock.deadline(self.config.pace * self.config.overlap)
             self._inflight = inflight.start(lambda: self._background_exchange(
-                self._background_mesh, outer_step, pseudo, data, contribute, inner, fragment))
+                self._background_mesh, outer_step, pseudo, data, contribute, inner, fragment, spread_until))
             return record
         # The last step: wait for this outer step and end on the outer model (the run's product, whose
         # hash the coordinator holds), dropping local progress no outer step averaged.
@@ -258,10 +261,11 @@ class DilocoHook:
         return self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
 
     def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
-                             contribute: bool, inner: dict | None, fragment: int) -> Exchange:
+                             contribute: bool, inner: dict | None, fragment: int,
+                             spread_until: float | None = None) -> Exchange:
         """An overlapped outer step: decided, applied to the fragment's outer params (not the model),
         committed and served to peers, all while the inner steps go on."""
-        exchange = self._exchange(mesh, step, pseudo, data, contribute)
+        exchange = self._exchange(mesh, step, pseudo, data, contribute, spread_until)
         if exchange.status == "applied":
             self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)

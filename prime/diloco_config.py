@@ -23,6 +23,11 @@ class DilocoConfig(BaseModel):
                                                        "about equal sizes); one is synchronised every H/fragments steps.")
     overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
                                                     "background before it is applied (0: H/fragments, the most).")
+    pace: float = Field(0.0, ge=0, le=1, description="delayed/streaming: spread an outer step's all-reduce over "
+                                                     "this fraction of the inner steps it runs behind (timed), "
+                                                     "so the link never sees a burst at its full rate; 0 sends "
+                                                     "at the link's rate. Too close to 1 and a slow step makes "
+                                                     "the inner steps wait.")
     eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
                                           "outer step taken with this node's own pseudo-gradient in place of the "
                                           "average (eager updates), rather than from where the node stands.")

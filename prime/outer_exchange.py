@@ -5,8 +5,10 @@ background thread (diloco.mode = delayed) while the inner steps go on."""
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,12 +67,34 @@ class InFlight:
         return self._exchange
 
 
+class StepClock:
+    """The wall time of an inner step (median of the last few, so an outer step's wait is not counted),
+    from which an overlapped outer step knows how long the compute it hides behind will take."""
+
+    def __init__(self, window: int = 9) -> None:
+        self._intervals: deque[float] = deque(maxlen=window)
+        self._last: float | None = None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+
+    def deadline(self, steps: float) -> float | None:
+        """time.monotonic() about `steps` inner steps from now; None before any step was timed or for 0 steps."""
+        if steps <= 0 or len(self._intervals) < 3:
+            return None
+        return time.monotonic() + steps * statistics.median(self._intervals)
+
+
 def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict], codec: Codec,
              outlier_factor: float, on_phase: Callable[[str], None] | None = None,
-             contributes: bool = True) -> Exchange:
+             contributes: bool = True, spread_until: float | None = None) -> Exchange:
     """Takes part in outer step `step` until the coordinator applies it (after an abort the same
     pseudo-gradient goes into a retry with the survivors) or says this node is out of it. Does not
-    touch the model or the outer params: safe in a background thread (with mesh.background_view())."""
+    touch the model or the outer params: safe in a background thread (with mesh.background_view()).
+    spread_until: pace the all-reduce's sends to end about then (time.monotonic()) rather than burst."""
     started = time.perf_counter()
     while True:
         try:
@@ -95,9 +119,12 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             pg = mesh.group(plan)
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
             names = [m["name"] for m in plan.members]
+            # A retry, or a plan that came late, has less time left: the pace is set from what remains.
+            spread_s = spread_until - time.monotonic() if spread_until is not None else 0.0
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
                                      outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
-                                     links=mesh.links if mesh.config.ring_order == "measured" else None)
+                                     links=mesh.links if mesh.config.ring_order == "measured" else None,
+                                     spread_s=spread_s if spread_s > 0.1 else None)
             if result.ring_changed and mesh.local_rank == 0:
                 log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))
         except (CollectiveError, CoordinatorError, RuntimeError) as e:

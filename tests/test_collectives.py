@@ -59,7 +59,7 @@ def _lie(pg, x, codec, world, queue):
     from elastic_mesh.codecs import BLOCK
     from elastic_mesh.collectives import header_size
 
-    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world)])
+    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world), 0.0])
     assert header.numel() == header_size(world)
     pg.allgather([[torch.empty(header_size(world)) for _ in range(world)]], [header]).wait()
     chunk = -(-(-(-x.numel() // world)) // BLOCK) * BLOCK
@@ -111,7 +111,7 @@ def test_int8_error_is_under_one_percent_and_flat_in_members(world):
     assert error <= 0.01, f"relative RMS error {error:.4f} at {world} members"
     # Each member sends and receives 2 × (N-1)/N of the int8 payload: flat in N, ~1/3.9 of fp32.
     chunk = -(-(-(-size // world)) // BLOCK) * BLOCK
-    header, marker = 4 * (5 + 2 * world), 4
+    header, marker = 4 * (6 + 2 * world), 4
     assert results[0][4] == 2 * (world - 1) * codec_for("int8").encoded_size(chunk) + (world - 1) * (header + marker)
 
 
@@ -215,3 +215,55 @@ def test_measured_ring_avoids_a_slow_route_and_gives_the_same_bits():
     assert all(r[3] for r in results), "the ring change was not reported"
     assert all(r[4] for r in results), "the mean changed with the ring"
     assert len({r[5] for r in results}) == 1
+
+
+def _paced_member(rank, world, port, size, spread_s, queue):
+    """Member 0 does not pace; the others spread their sends over spread_s (pieces are agreed)."""
+    import time
+
+    import torch.distributed as dist
+
+    from elastic_mesh.collectives import all_reduce_mean
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=60))
+    x = torch.randn(size, generator=torch.Generator().manual_seed(rank))
+    plain = all_reduce_mean(pg, x, codec_for("int8"), [True] * world)
+    started = time.perf_counter()
+    paced = all_reduce_mean(pg, x, codec_for("int8"), [True] * world, spread_s=spread_s if rank else None)
+    queue.put((rank, plain.seconds, time.perf_counter() - started, torch.equal(plain.mean, paced.mean),
+               hashlib.sha256(paced.mean.numpy().tobytes()).hexdigest(), paced.bytes_sent == plain.bytes_sent))
+
+
+def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
+    """Loopback moves these bytes in milliseconds; paced, the same all-reduce takes about spread_s, and
+    a member that does not pace still cuts its transfers in the agreed pieces."""
+    world, size, spread_s = 3, 600_000, 2.0
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_paced_member, args=(r, world, port, size, spread_s, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    assert all(r[3] and r[5] for r in results), "pacing changed the mean or the bytes"
+    assert len({r[4] for r in results}) == 1
+    plain_s, paced_s = max(r[1] for r in results), min(r[2] for r in results)
+    assert paced_s >= 0.75 * spread_s, f"paced all-reduce took {paced_s:.2f} s, not spread over {spread_s} s"
+    assert paced_s <= 2.5 * spread_s and plain_s < 0.5 * spread_s, (plain_s, paced_s)
+
+
+def test_piece_sizes_outside_the_pacing_range_are_ignored():
+    from elastic_mesh.collectives import _agree_on_piece, header_size
+    from elastic_mesh.pacing import MIN_PIECE, piece_bytes
+
+    def header(piece):
+        return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, piece], dtype=torch.float32)
+
+    assert header(0).numel() == header_size(2)
+    assert _agree_on_piece([header(0), header(0)]) == 0
+    assert _agree_on_piece([header(0), header(piece_bytes(1e6))]) == piece_bytes(1e6) >= MIN_PIECE
+    for hostile in (1, MIN_PIECE - 1, float("nan"), float("inf"), 1e12, -5):
+        assert _agree_on_piece([header(hostile), header(0)]) == 0

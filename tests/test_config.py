@@ -36,6 +36,7 @@ def test_overrides_are_typed():
     ({"diloco.mode": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2", "diloco.overlap_steps": "6"},
      "diloco.overlap_steps 6 is over H/fragments = 5"),
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
+    ({"diloco.pace": "1.5"}, "diloco.pace"),
 ])
 def test_bad_values_are_named(overrides, expected):
     with pytest.raises(ConfigError) as err:

@@ -75,8 +75,10 @@ STREAMING = ["--diloco.mode", "streaming", "--diloco.inner_steps", "6", "--diloc
 
 
 def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpus):
-    """H=6, 3 fragments: one fragment's outer step every 2 inner steps, each overlapped for 2 steps."""
-    with cluster(tmp_path, corpus, 3, steps=36, extra=STREAMING) as c:
+    """H=6, 3 fragments: one fragment's outer step every 2 inner steps, each overlapped for 2 steps, and
+    paced over 80% of them (inner steps made 0.25 s slower, so there is a window to pace over)."""
+    paced = ["--diloco.pace", "0.8", "--chaos.step_delay_s", "0.25"]
+    with cluster(tmp_path, corpus, 3, steps=36, extra=[*STREAMING, *paced]) as c:
         for name in ("node0", "node1", "node2"):
             c.start_node(name)
         assert c.wait_nodes(240) == {n: 0 for n in ("node0", "node1", "node2")}, c.log("node0")[-3000:]
@@ -87,6 +89,9 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
         # Each outer step moves about a third of the model.
         sent = [records[k]["bytes_sent"] for k in range(1, 4)]
         assert max(sent) < 0.5 * sum(sent), sent
+        # Paced: a transfer loopback moves in milliseconds is spread over ~0.8 × 2 × 0.25 s.
+        seconds = sorted(records[k]["allreduce_s"] for k in range(4, 18))
+        assert seconds[len(seconds) // 2] > 0.25, seconds
         # The last outer step closes every fragment at once: the run ends on an average of all its work.
         assert records[18]["fragment"] is None and records[18]["bytes_sent"] > 0.9 * sum(sent), records[18]
         losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]

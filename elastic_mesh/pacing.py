@@ -1,0 +1,88 @@
+"""Paced sending, so an all-reduce that runs behind compute need not burst at the link's rate.
+
+An overlapped outer step has a whole window of inner steps to move its bytes. Sent at the link's
+rate it fills the link for a few seconds and then leaves it idle; a link shared with other traffic
+(or billed, or policed, at its peak) is better served by the same bytes spread over the window. So a
+member may cut every transfer into pieces and post each piece only when a token bucket allows: the
+bytes enter the kernel at the paced rate and leave it no faster. Both ends must cut a transfer alike
+(each piece is one send matched by one receive), so the piece size is agreed in the all-reduce's
+header; a member that does not pace posts all its pieces at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+
+MIN_PIECE = 16 << 10
+MAX_PIECE = 4 << 20
+PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth at the scale of a second
+
+
+class Pacer:
+    """Token bucket without a burst allowance, shared by every send of one member's all-reduce."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"a pace must be a positive rate, got {bytes_per_s} bytes/s")
+        self.bytes_per_s = bytes_per_s
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        """Waits until `nbytes` more may go out."""
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.bytes_per_s
+        if start > now:
+            time.sleep(start - now)
+
+
+def piece_bytes(bytes_per_s: float) -> int:
+    """The piece size a member pacing at this rate asks for."""
+    return int(min(MAX_PIECE, max(MIN_PIECE, bytes_per_s * PIECE_SECONDS)))
+
+
+def pieces(buffer: torch.Tensor, piece: int) -> list[torch.Tensor]:
+    """Views of a flat byte buffer, `piece` bytes each (the whole buffer when piece is 0)."""
+    flat = buffer.reshape(-1)
+    if piece <= 0 or flat.numel() <= piece:
+        return [flat]
+    return [flat[i:i + piece] for i in range(0, flat.numel(), piece)]
+
+
+class PiecewiseSend:
+    """One transfer as pieces. Without a pacer every piece is posted now; with one, a thread posts
+    each piece when the pacer allows. wait() returns once every piece has gone out and raises the
+    first failure (post and wait_for raise the caller's own error type)."""
+
+    def __init__(self, post: Callable[[torch.Tensor], object], wait_for: Callable[[object], None],
+                 buffer: torch.Tensor, piece: int, pacer: Pacer | None, name: str = "paced-send") -> None:
+        self._wait_for, self._error = wait_for, None
+        views = pieces(buffer, piece)
+        if pacer is None:
+            self._works, self._thread = [post(v) for v in views], None
+            return
+        self._works = []
+
+        def run() -> None:
+            try:
+                for view in views:
+                    pacer.take(view.numel())
+                    self._works.append(post(view))
+            except BaseException as e:  # re-raised by wait(), in the caller's thread
+                self._error = e
+        self._thread = threading.Thread(target=run, daemon=True, name=name)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        for work in self._works:
+            self._wait_for(work)
