@@ -206,19 +206,21 @@ class WanTopology:
         self.down()
 
 
-def interface_sent_bytes(pid: int, interface: str = "wan0") -> int:
-    """Bytes the emulated host's interface has transmitted, read from /proc/<pid>/net/dev of a process
-    in its namespace (no process spawned per reading, so sampling often costs the nodes nothing)."""
+def interface_bytes(pid: int, interface: str = "wan0", received: bool = True) -> int:
+    """Bytes the emulated host's interface has received (or transmitted), read from /proc/<pid>/net/dev
+    of a process in its namespace (no process spawned per reading, so sampling often costs nothing).
+    Received bytes are what the link delivered, after its rate limit; with the tun backend, transmitted
+    bytes are what TCP handed the emulator, bursts above the link rate included."""
     for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
         if line.strip().startswith(f"{interface}:"):
-            return int(line.split(":", 1)[1].split()[8])
+            return int(line.split(":", 1)[1].split()[0 if received else 8])
     raise RuntimeError(f"no {interface} interface in the namespace of process {pid}")
 
 
 class WireMeter:
-    """Samples each host's transmitted bytes (every `every_s`) while a run goes on, in a thread, so a
-    benchmark can report the peak rate on the wire over any window of `window_s` (a burst at the link's
-    rate shows; the same bytes spread out do not)."""
+    """Samples the bytes each host's link delivered to it (every `every_s`, stamped with time.time() like
+    the nodes' metrics) while a run goes on, in a thread, so a benchmark can report the peak rate on the
+    wire over any `window_s` (a burst at the link's rate shows; the same bytes spread out do not)."""
 
     def __init__(self, pids: dict[str, int], every_s: float = 0.25) -> None:
         import threading
@@ -231,10 +233,10 @@ class WireMeter:
         import time
 
         while not self._stop.is_set():
-            now = time.monotonic()
+            now = time.time()
             for name, pid in self._pids.items():
                 try:
-                    self.samples[name].append((now, interface_sent_bytes(pid)))
+                    self.samples[name].append((now, interface_bytes(pid)))
                 except (OSError, RuntimeError, ValueError):
                     pass  # the process is gone: the run is over for that host
             self._stop.wait(self._every_s)
@@ -247,10 +249,11 @@ class WireMeter:
         self._stop.set()
         self._thread.join()
 
-    def peak_bytes_per_s(self, window_s: float = 1.0) -> float:
-        """The highest rate any host transmitted at over any `window_s` of the run."""
+    def peak_bytes_per_s(self, window_s: float = 1.0, start: float = 0.0, end: float = float("inf")) -> float:
+        """The highest rate any host received at over any `window_s` between times start and end."""
         peak = 0.0
-        for samples in self.samples.values():
+        for every in self.samples.values():
+            samples = [s for s in every if start <= s[0] <= end]
             j = 0
             for i, (t, sent) in enumerate(samples):
                 j = max(j, i + 1)
@@ -261,9 +264,10 @@ class WireMeter:
                 peak = max(peak, (samples[j][1] - sent) / (samples[j][0] - t))
         return peak
 
-    def mean_bytes_per_s(self) -> float:
-        """Each host's bytes over its sampled span, averaged over hosts."""
-        rates = [(s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]) for s in self.samples.values() if len(s) > 1]
+    def mean_bytes_per_s(self, start: float = 0.0, end: float = float("inf")) -> float:
+        """Each host's bytes received between times start and end, per second, averaged over hosts."""
+        spans = [[x for x in s if start <= x[0] <= end] for s in self.samples.values()]
+        rates = [(s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]) for s in spans if len(s) > 1]
         return sum(rates) / len(rates) if rates else 0.0
 
 

@@ -9,11 +9,11 @@ run, and the steady state (rounds 2 to the one before last: the first holds star
 round of `delayed` waits for its own all-reduce so the run ends on the average). Also prints each
 mode's final eval loss (equal tokens), the largest transfer of one outer step with the rate it needs
 to stay hidden (its bytes / the compute time it overlaps), and the peak rate on the wire: the most any
-node's interface transmitted in any 1 s of the run (sampled every 0.25 s), against blocking's.
-`--pace` spreads the overlapped modes' all-reduces over that fraction of their window (diloco.pace).
-INTELLECT-1: 83% globally, 96% in the US.
+node's link delivered to it in any 1 s of the steady state (sampled every 0.25 s), against blocking's.
+`--paces 0,0.8` runs each overlapped mode once per diloco.pace (its all-reduces spread over that
+fraction of their window; 0: at the link's rate). INTELLECT-1: 83% globally, 96% in the US.
 
-    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--pace 0.8]
+    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--paces 0,0.8]
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def main() -> int:
     parser.add_argument("--fragments", type=int, default=5, help="streaming: diloco.fragments (must divide H)")
     parser.add_argument("--outer-momentum", type=float, default=None,
                         help="diloco.outer_momentum for every mode (default: the config's)")
-    parser.add_argument("--pace", type=float, default=0.0,
-                        help="diloco.pace for delayed and streaming (0: their all-reduces go at the link's rate)")
+    parser.add_argument("--paces", default="0",
+                        help="diloco.pace values for delayed and streaming, comma-separated: one run each")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     args = parser.parse_args()
     corpus = prepare()
@@ -87,10 +87,13 @@ def main() -> int:
             p.wait(timeout=3600)
         solo_rate, solo_steady = tokens_per_s(solo, names), tokens_per_s(solo, names, *steady)
         print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
-        for mode in args.modes.split(","):
+        paces = [float(p) for p in args.paces.split(",")]
+        runs = [(mode, pace) for mode in args.modes.split(",") for pace in (paces if mode != "blocking" else [0.0])]
+        for mode, pace in runs:
+            label = mode if len(paces) == 1 or mode == "blocking" else f"{mode} p{pace:g}"
             extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments)] if mode == "streaming" else [])
-            extra += ["--diloco.pace", str(args.pace)] if mode != "blocking" else []
-            with LocalCluster(Path(tmp) / mode, args.config, [*overrides, *extra], wan=wan,
+            extra += ["--diloco.pace", str(pace)] if mode != "blocking" else []
+            with LocalCluster(Path(tmp) / label.replace(" ", "-"), args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
                 c.start_nodes(names)
                 with WireMeter({name: c.nodes[name].pid for name in names}) as meter:
@@ -102,26 +105,28 @@ def main() -> int:
                 overlap = {"blocking": 0, "delayed": H, "streaming": H // args.fragments}[mode]
                 # The run's last outer step is left out: streaming's closes every fragment at once.
                 largest = max(r["bytes_sent"] for r in outer[:-1])
-                rows[mode] = {"rate": rate, "steady": tokens_per_s(c, names, *steady),
+                window = (next(r["time"] for r in steps if r["step"] >= steady[0]),
+                          next(r["time"] for r in steps if r["step"] >= steady[1]))
+                rows[label] = {"rate": rate, "steady": tokens_per_s(c, names, *steady),
                               "eval": final_eval(c, "node0"), "outer_steps": len(outer),
                               "allreduce_s": sum(r["allreduce_s"] for r in outer),
                               "waited_s": sum(r["outer_s"] for r in outer), "largest_mb": largest / 1e6,
                               "hide_mbit": largest * 8 / 1e6 / (overlap * step_s) if overlap else float("nan"),
-                              "peak_mbit": meter.peak_bytes_per_s() * 8 / 1e6,
-                              "mean_mbit": meter.mean_bytes_per_s() * 8 / 1e6}
-                row = rows[mode]
-                print(f"{mode}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
+                              "peak_mbit": meter.peak_bytes_per_s(1.0, *window) * 8 / 1e6,
+                              "mean_mbit": meter.mean_bytes_per_s(*window) * 8 / 1e6}
+                row = rows[label]
+                print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
                       f"(steady {row['steady'] / solo_steady:.1%}), eval loss {row['eval']:.4f}", flush=True)
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
           f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
-          f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; pace {args.pace:g}; "
+          f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; paces {args.paces}; "
           f"steady state = inner steps {steady[0]}-{steady[1]}")
-    print(f"{'mode':<10}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
+    print(f"{'mode':<16}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
           f"{'peak vs blocking':>18}{'mean Mbit/s':>13}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
-        print(f"{mode:<10}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
+        print(f"{mode:<16}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
               f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}")
