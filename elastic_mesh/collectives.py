@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.codecs import BLOCK, Codec
-from elastic_mesh.pacing import MAX_PIECE, MIN_PIECE, Pacer, PiecewiseSend, piece_bytes, pieces
+from elastic_mesh.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
 from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
 
 
@@ -235,8 +235,9 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     a norm above outlier_factor × the median of the others' (3+ contributors) is refused as absurd.
     links: this member's measured link rates (updated here), keyed by `peers` (a name per rank); the
     ring follows the measurements only if every member passes links, else it is rank order.
-    spread_s: pace this member's sends so that they take about this long in all (elastic_mesh/pacing.py)
-    rather than going at the link's rate; a slower link still takes as long as it takes.
+    spread_s: pace the sends so that they take about this long in all (elastic_mesh/pacing.py) rather
+    than going at the link's rate; a slower link still takes as long as it takes. Members agree on the
+    longest spread any of them asks for: the all-reduce ends with its slowest sender anyway.
     """
     started = time.perf_counter()
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
@@ -245,20 +246,21 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
     peers = peers or [str(r) for r in range(world)]
-    # What this member will send (both phases), known before the header so it can ask for a piece size.
-    to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
-    pace = to_send / spread_s if spread_s and spread_s > 0 and world > 1 and to_send else None
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0, 1.0 if contributes[rank] else 0.0,
                            float(x.numel()), 1.0 if links else 0.0,
                            *(links.incoming(peers) if links else [0.0] * world),
-                           *(links.last_ring(peers) if links else range(world)), piece_bytes(pace) if pace else 0.0])
+                           *(links.last_ring(peers) if links else range(world)), spread_s or 0.0])
     headers = [torch.empty(header_size(world)) for _ in range(world)]
     _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
     ring, rates = _agree_on_ring(headers, world)
-    piece = _agree_on_piece(headers)
+    # What each member sends (both phases), paced to the agreed spread, in pieces everyone cuts alike.
+    to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
+    spread = _agree_on_spread(headers)
+    pace = to_send / spread if spread and world > 1 and to_send else None
+    piece = piece_bytes(pace) if pace else 0
     ring_changed = False
     if links:
         ring_changed = links.last_ring(peers) != ring
@@ -329,7 +331,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 def header_size(world: int) -> int:
     """Floats in a member's header: finite, norm, contributes, elements, follows-links, then its
     measured incoming rate from each member, then the ring it last used (only member 0's counts), then
-    the piece size it paces in (0: it does not; every transfer is cut in the largest size asked for)."""
+    the seconds it would spread its sends over (0: it does not pace)."""
     return 6 + 2 * world
 
 
@@ -348,10 +350,11 @@ def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], 
     return choose_ring(rates, previous), rates
 
 
-def _agree_on_piece(headers: list[torch.Tensor]) -> int:
-    """The piece size every transfer is cut in: the largest any member asks for. One outside the range
-    a pacing member can ask for is ignored (tiny pieces would be a denial of service: millions of sends)."""
-    return max(int(h[-1]) if MIN_PIECE <= h[-1] <= MAX_PIECE else 0 for h in headers)
+def _agree_on_spread(headers: list[torch.Tensor]) -> float:
+    """Seconds every member spreads its sends over: the longest any member asks for (0: no pacing).
+    A value outside [MIN_SPREAD_S, MAX_SPREAD_S] (NaN included) is ignored, so a hostile header can
+    neither make pieces tiny (millions of sends) nor stretch a round past what any node would ask."""
+    return max([float(h[-1]) for h in headers if MIN_SPREAD_S <= h[-1] <= MAX_SPREAD_S] or [0.0])
 
 
 @dataclass

@@ -5,8 +5,8 @@ rate it fills the link for a few seconds and then leaves it idle; a link shared 
 (or billed, or policed, at its peak) is better served by the same bytes spread over the window. So a
 member may cut every transfer into pieces and post each piece only when a token bucket allows: the
 bytes enter the kernel at the paced rate and leave it no faster. Both ends must cut a transfer alike
-(each piece is one send matched by one receive), so the piece size is agreed in the all-reduce's
-header; a member that does not pace posts all its pieces at once.
+(each piece is one send matched by one receive), so the piece size follows from the spread the
+members agree on in the all-reduce's header.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+MIN_SPREAD_S, MAX_SPREAD_S = 0.1, 3600.0  # the spreads a member may ask for
 MIN_PIECE = 16 << 10
 MAX_PIECE = 4 << 20
 PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth at the scale of a second

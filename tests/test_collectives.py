@@ -218,7 +218,7 @@ def test_measured_ring_avoids_a_slow_route_and_gives_the_same_bits():
 
 
 def _paced_member(rank, world, port, size, spread_s, queue):
-    """Member 0 does not pace; the others spread their sends over spread_s (pieces are agreed)."""
+    """Member 0 asks for no pacing, the others for spread_s: all pace alike (the longest spread wins)."""
     import time
 
     import torch.distributed as dist
@@ -238,7 +238,7 @@ def _paced_member(rank, world, port, size, spread_s, queue):
 
 def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
     """Loopback moves these bytes in milliseconds; paced, the same all-reduce takes about spread_s, and
-    a member that does not pace still cuts its transfers in the agreed pieces."""
+    a member that asked for no pacing paces and cuts its transfers like the others."""
     world, size, spread_s = 3, 600_000, 2.0
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
@@ -255,15 +255,16 @@ def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
     assert paced_s <= 2.5 * spread_s and plain_s < 0.5 * spread_s, (plain_s, paced_s)
 
 
-def test_piece_sizes_outside_the_pacing_range_are_ignored():
-    from elastic_mesh.collectives import _agree_on_piece, header_size
+def test_members_agree_on_the_longest_spread_and_ignore_absurd_ones():
+    from elastic_mesh.collectives import _agree_on_spread, header_size
     from elastic_mesh.pacing import MIN_PIECE, piece_bytes
 
-    def header(piece):
-        return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, piece], dtype=torch.float32)
+    def header(spread):
+        return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, spread], dtype=torch.float32)
 
     assert header(0).numel() == header_size(2)
-    assert _agree_on_piece([header(0), header(0)]) == 0
-    assert _agree_on_piece([header(0), header(piece_bytes(1e6))]) == piece_bytes(1e6) >= MIN_PIECE
-    for hostile in (1, MIN_PIECE - 1, float("nan"), float("inf"), 1e12, -5):
-        assert _agree_on_piece([header(hostile), header(0)]) == 0
+    assert _agree_on_spread([header(0), header(0)]) == 0
+    assert _agree_on_spread([header(2.0), header(0), header(8.0)]) == 8.0
+    for hostile in (1e-9, float("nan"), float("inf"), 1e12, -5):
+        assert _agree_on_spread([header(hostile), header(3.0)]) == 3.0
+    assert piece_bytes(1.0) == MIN_PIECE  # however slow the agreed pace, pieces stay whole-packet sized
