@@ -102,7 +102,7 @@ class _TimedReceive:
                  piece: int = 0) -> None:
         self.frm, self.nbytes, self.phase = frm, buffer.numel() * buffer.element_size(), phase
         self.marker = _post(lambda: pg.recv([torch.empty(1)], frm, tag + _MARKER_TAG), phase)
-        self.data = [_post(lambda: pg.recv([view], frm, tag), phase) for view in pieces(buffer, piece)]
+        self.data = _receive(pg, buffer, frm, tag, phase, piece)
         self.seconds, self.error = float("nan"), None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"receive-from-{frm}")
         self._thread.start()
@@ -124,6 +124,11 @@ class _TimedReceive:
 
 
 _MARKER_TAG = 100
+
+
+def _receive(pg: dist.ProcessGroup, buffer: torch.Tensor, frm: int, tag: int, phase: str, piece: int) -> list:
+    """Posts the receives of one transfer, a piece each, as the sender cuts it."""
+    return [_post(lambda: pg.recv([view], frm, tag), phase) for view in pieces(buffer, piece)]
 
 
 def _send(pg: dist.ProcessGroup, buffer: torch.Tensor, to: int, tag: int, phase: str, piece: int,
@@ -214,8 +219,7 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
     done = rank
     for step in range(1, world):
         sending = _send(pg, chunks[order[(at - step + 1) % world]], right, tag, phase, piece, pacer)
-        receiving = [_post(lambda: pg.recv([view], left, tag), phase)
-                     for view in pieces(chunks[order[(at - step) % world]], piece)]
+        receiving = _receive(pg, chunks[order[(at - step) % world]], left, tag, phase, piece)
         arrived(done)
         for work in receiving:
             _wait(work, phase)

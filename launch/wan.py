@@ -23,6 +23,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -206,15 +208,14 @@ class WanTopology:
         self.down()
 
 
-def interface_bytes(pid: int, interface: str = "wan0", received: bool = True) -> int:
-    """Bytes the emulated host's interface has received (or transmitted), read from /proc/<pid>/net/dev
-    of a process in its namespace (no process spawned per reading, so sampling often costs nothing).
+def interface_bytes(net_dev: str, interface: str = "wan0", received: bool = True) -> int:
+    """Bytes an interface has received (or transmitted), from the text of a namespace's /proc/net/dev.
     Received bytes are what the link delivered, after its rate limit; with the tun backend, transmitted
     bytes are what TCP handed the emulator, bursts above the link rate included."""
-    for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+    for line in net_dev.splitlines():
         if line.strip().startswith(f"{interface}:"):
             return int(line.split(":", 1)[1].split()[0 if received else 8])
-    raise RuntimeError(f"no {interface} interface in the namespace of process {pid}")
+    raise RuntimeError(f"no {interface} interface in this namespace")
 
 
 class WireMeter:
@@ -223,20 +224,17 @@ class WireMeter:
     wire over any `window_s` (a burst at the link's rate shows; the same bytes spread out do not)."""
 
     def __init__(self, pids: dict[str, int], every_s: float = 0.25) -> None:
-        import threading
-
         self.samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
         self._pids, self._every_s, self._stop = pids, every_s, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="wire-meter")
 
     def _run(self) -> None:
-        import time
-
+        # /proc/<pid>/net/dev of a process in the host's namespace: no process spawned per reading.
         while not self._stop.is_set():
             now = time.time()
             for name, pid in self._pids.items():
                 try:
-                    self.samples[name].append((now, interface_bytes(pid)))
+                    self.samples[name].append((now, interface_bytes(Path(f"/proc/{pid}/net/dev").read_text())))
                 except (OSError, RuntimeError, ValueError):
                     pass  # the process is gone: the run is over for that host
             self._stop.wait(self._every_s)

@@ -119,12 +119,13 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             pg = mesh.group(plan)
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
             names = [m["name"] for m in plan.members]
-            # A retry, or a plan that came late, has less time left: the pace is set from what remains.
-            spread_s = spread_until - time.monotonic() if spread_until is not None else 0.0
+            # A retry, or a plan that came late, has less time left: the pace is set from what remains
+            # (a spread too short to pace is ignored by the all-reduce's agreement on one).
+            spread_s = spread_until - time.monotonic() if spread_until is not None else None
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
                                      outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
                                      links=mesh.links if mesh.config.ring_order == "measured" else None,
-                                     spread_s=spread_s if spread_s > 0.1 else None)
+                                     spread_s=spread_s)
             if result.ring_changed and mesh.local_rank == 0:
                 log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))
         except (CollectiveError, CoordinatorError, RuntimeError) as e:

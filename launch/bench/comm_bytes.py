@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launch.cluster import LocalCluster  # noqa: E402
-from launch.wan import LinkProfile, WanTopology  # noqa: E402
+from launch.wan import LinkProfile, WanTopology, interface_bytes  # noqa: E402
 from prime.config import load_config  # noqa: E402
 from prime.model import build_model, count_parameters  # noqa: E402
 
@@ -44,17 +44,13 @@ del pg  # destroyed while the interpreter is alive: at exit, Gloo's threads abor
 """
 
 
-def interface_bytes(wan: WanTopology, host: str) -> int:
+def sent_bytes(wan: WanTopology, host: str) -> int:
     text = subprocess.run(wan.exec_prefix(host) + ["cat", "/proc/net/dev"], capture_output=True, text=True).stdout
-    for line in text.splitlines():
-        if line.strip().startswith("wan0:"):
-            fields = line.split(":", 1)[1].split()
-            return int(fields[8])  # bytes transmitted
-    raise RuntimeError(f"no wan0 interface in {host}'s namespace")
+    return interface_bytes(text, wan.interface(), received=False)
 
 
 def total_sent(wan: WanTopology, hosts: list[str]) -> int:
-    return sum(interface_bytes(wan, h) for h in hosts)
+    return sum(sent_bytes(wan, h) for h in hosts)
 
 
 def diloco_bytes(wan, hosts, nodes, corpus, inner_steps) -> tuple[int, int]:
