@@ -115,6 +115,7 @@ class WanTopology:
             # per-destination classes we have no kernel here to test. The tun emulator does routes.
             raise ValueError("per-pair paths need the tun backend (backend='tun' or 'auto')")
         self._emulator: subprocess.Popen | None = None
+        self.emulator_priority = ""  # tun backend: the scheduling the emulator got (SCHED_RR, or a niceness)
         self._workdir = Path(tempfile.mkdtemp(prefix="prime-wan-"))
         self._up = False
 
@@ -135,7 +136,8 @@ class WanTopology:
                           f"{p.up_mbit:g}/{p.down_mbit:g} Mbit/s" for h, p in self.profiles.items())
         routes = "".join(f"; route {a}<->{b}: +{p.latency_ms:g} ms, {p.loss * 100:g}% loss, {p.mbit:g} Mbit/s"
                          for (a, b), p in self.paths.items())
-        return f"WAN backend {self.backend}; {links}{routes}"
+        priority = f" ({self.emulator_priority})" if self.emulator_priority else ""
+        return f"WAN backend {self.backend}{priority}; {links}{routes}"
 
     def up(self) -> "WanTopology":
         atexit.register(self.down)
@@ -159,8 +161,9 @@ class WanTopology:
         self._emulator = subprocess.Popen([sys.executable, str(REPO / "launch" / "wan_emulator.py"), str(path)],
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self._emulator.stdout.readline()
-        if line.strip() != "ready":
+        if not line.startswith("ready"):
             raise RuntimeError(f"the WAN emulator did not start: {line}{self._emulator.stderr.read()[-2000:]}")
+        self.emulator_priority = line.strip().removeprefix("ready").strip(" ()")
 
     def _start_netem(self) -> None:
         # A bridge in a hub namespace; each host's veth carries netem: egress at the host is its upload,
