@@ -21,6 +21,10 @@ MIN_SPREAD_S, MAX_SPREAD_S = 0.1, 3600.0  # the spreads a member may ask for
 MIN_PIECE = 16 << 10
 MAX_PIECE = 4 << 20
 PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth at the scale of a second
+# Pieces a paced sender has posted and not yet seen leave. Gloo writes a piece only once the receiver
+# has posted its receive, so a receiver that gets to a phase late (or a connection that stalls after
+# a loss) would otherwise release every piece queued meanwhile at once, at the link's rate.
+OUTSTANDING = 2
 
 
 class Pacer:
@@ -63,7 +67,7 @@ class PiecewiseSend:
 
     def __init__(self, post: Callable[[torch.Tensor], object], wait_for: Callable[[object], None],
                  buffer: torch.Tensor, piece: int, pacer: Pacer | None, name: str = "paced-send") -> None:
-        self._wait_for, self._error = wait_for, None
+        self._wait_for, self._error, self._waited = wait_for, None, 0
         views = pieces(buffer, piece)
         if pacer is None:
             self._works, self._thread = [post(v) for v in views], None
@@ -72,7 +76,10 @@ class PiecewiseSend:
 
         def run() -> None:
             try:
-                for view in views:
+                for i, view in enumerate(views):
+                    if i >= OUTSTANDING:  # see OUTSTANDING: a late receiver releases a burst of at most this many
+                        wait_for(self._works[i - OUTSTANDING])
+                        self._waited = i - OUTSTANDING + 1
                     pacer.take(view.numel())
                     self._works.append(post(view))
             except BaseException as e:  # re-raised by wait(), in the caller's thread
@@ -85,5 +92,5 @@ class PiecewiseSend:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        for work in self._works:
+        for work in self._works[self._waited:]:  # a Gloo send may be waited for once only
             self._wait_for(work)

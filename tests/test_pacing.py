@@ -1,0 +1,77 @@
+"""The paced sender on its own. The transport here is a stand-in (a list of posted pieces and events
+that a test completes), because the property under test is what the sender does while Gloo holds its
+pieces back, which a real Gloo pair only shows when a receiver is late; the real-Gloo pacing tests are
+in test_collectives.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from elastic_mesh.pacing import OUTSTANDING, Pacer, PiecewiseSend
+
+
+class _HeldBackTransport:
+    """Posts succeed at once; a piece 'leaves' only when the test releases it (as Gloo holds a send
+    until the receiver has posted its receive). Counts waits per piece: Gloo allows one."""
+
+    def __init__(self) -> None:
+        self.posted: list[int] = []
+        self.left: list[threading.Event] = []
+        self.waits: dict[int, int] = {}
+
+    def post(self, view: torch.Tensor) -> int:
+        self.posted.append(view.numel())
+        self.left.append(threading.Event())
+        return len(self.posted) - 1
+
+    def wait_for(self, work: int) -> None:
+        self.waits[work] = self.waits.get(work, 0) + 1
+        assert self.left[work].wait(10), "waited for a piece that never left"
+
+
+def test_a_late_receiver_releases_at_most_the_outstanding_pieces_at_once():
+    transport = _HeldBackTransport()
+    buffer = torch.zeros(100 * 1024, dtype=torch.uint8)
+    send = PiecewiseSend(transport.post, transport.wait_for, buffer, 10 * 1024, Pacer(10e6), name="test")
+    time.sleep(0.3)  # at 10 MB/s every piece would have been posted by now: the receiver is what holds them
+    assert len(transport.posted) == OUTSTANDING
+    for event in transport.left:  # the receiver shows up: the held pieces go, and the pacer sets the rest
+        event.set()
+    deadline = time.monotonic() + 5
+    while len(transport.posted) < 10 and time.monotonic() < deadline:
+        for event in transport.left:
+            event.set()
+        time.sleep(0.01)
+    for event in transport.left:
+        event.set()
+    send.wait()
+    assert sum(transport.posted) == buffer.numel()
+    assert set(transport.waits.values()) == {1}, "a piece was waited for more than once (Gloo would hang)"
+
+
+def test_a_stalled_pacer_does_not_catch_up_in_a_burst():
+    pacer = Pacer(1e6)
+    pacer.take(100_000)  # a 0.1 s slot, then the sender is away for 0.3 s
+    time.sleep(0.3)
+    started = time.monotonic()
+    for _ in range(3):
+        pacer.take(100_000)
+    assert time.monotonic() - started >= 0.18, "the time the sender was away was spent as a burst"
+
+
+def test_unpaced_sends_post_every_piece_at_once():
+    transport = _HeldBackTransport()
+    send = PiecewiseSend(transport.post, transport.wait_for, torch.zeros(50, dtype=torch.uint8), 16, None)
+    assert transport.posted == [16, 16, 16, 2]
+    for event in transport.left:
+        event.set()
+    send.wait()
+
+
+def test_a_pace_must_be_positive():
+    with pytest.raises(ValueError, match="positive rate"):
+        Pacer(0)
