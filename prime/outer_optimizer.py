@@ -13,14 +13,38 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def split_evenly(sizes: list[int], parts: int) -> list[range]:
-    """`parts` contiguous runs of parameter indices with about equal element counts (the fragments of
-    streaming DiLoCo: consecutive parameters, i.e. whole layers, together)."""
-    total, bounds, seen = sum(sizes), [0], 0
-    for i, n in enumerate(sizes):
-        seen += n
-        while len(bounds) < parts and seen >= total * len(bounds) / parts:
-            bounds.append(i + 1)
-    bounds += [len(sizes)] * (parts + 1 - len(bounds))
+    """`parts` contiguous runs of parameter indices (the fragments of streaming DiLoCo: consecutive
+    parameters, i.e. whole layers, together) whose largest element count is as small as it can be:
+    each fragment's all-reduce has the same window, so the largest one sets the rate the link must
+    carry. Binary search on that largest count, each guess checked greedily: O(n log total)."""
+    n = len(sizes)
+    if parts >= n:  # a parameter each, then empty fragments
+        return [range(min(k, n), min(k + 1, n)) for k in range(parts)]
+
+    def cuts(cap: int) -> list[int] | None:
+        """Starts of `parts` non-empty runs of at most `cap` elements each (then n), or None."""
+        bounds, load = [0], 0
+        for i, size in enumerate(sizes):
+            if size > cap:
+                return None
+            if i > bounds[-1] and load + size > cap:
+                bounds.append(i)
+                load = 0
+                if len(bounds) > parts:
+                    return None
+            load += size
+            if n - (i + 1) == parts - len(bounds) > 0:  # as many items left as runs to open: one each
+                return bounds + list(range(i + 1, n + 1))
+        return bounds + [n] if len(bounds) == parts else None
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        mid = (low + high) // 2
+        if cuts(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    bounds = cuts(low)
     return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
