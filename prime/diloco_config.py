@@ -20,7 +20,8 @@ class DilocoConfig(BaseModel):
                                 "`fragments`, synchronised one after another every H/fragments steps, each in the "
                                 "background for `overlap_steps` (see README).")
     fragments: int = Field(5, ge=1, le=64, description="streaming: fragments of the model (consecutive layers, "
-                                                       "about equal sizes); one is synchronised every H/fragments steps.")
+                                                       "the largest as small as whole parameters allow); one is "
+                                                       "synchronised every H/fragments steps.")
     overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
                                                     "background before it is applied (0: H/fragments, the most).")
     pace: float = Field(0.0, ge=0, le=1, description="delayed/streaming: spread an outer step's all-reduce over "

@@ -24,9 +24,7 @@ def split_evenly(sizes: list[int], parts: int) -> list[range]:
     def cuts(cap: int) -> list[int] | None:
         """Starts of `parts` non-empty runs of at most `cap` elements each (then n), or None."""
         bounds, load = [0], 0
-        for i, size in enumerate(sizes):
-            if size > cap:
-                return None
+        for i, size in enumerate(sizes):  # cap is never below the largest size: every item fits a run
             if i > bounds[-1] and load + size > cap:
                 bounds.append(i)
                 load = 0
