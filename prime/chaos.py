@@ -27,6 +27,9 @@ class ChaosConfig(BaseModel):
     kill_in_allreduce_at: int = Field(
         0, ge=0, description="SIGKILL the node between the two phases of this outer step's all-reduce (0: never).")
     nan_at_outer_step: int = Field(0, ge=0, description="Send a NaN pseudo-gradient at this outer step (0: never).")
+    outlier_at_outer_step: int = Field(
+        0, ge=0, description="Send a finite pseudo-gradient 10,000× too large at this outer step, for the peers' "
+                             "outlier check to refuse (0: never).")
     step_delay_s: float = Field(0.0, ge=0, description="Sleep this long after every inner step (a slow node).")
     control_dir: str = Field(
         "", description="A directory a fault injector drops commands into while the node runs: a file `nan` "

@@ -5,15 +5,15 @@ owns fp32 CPU copies of its FSDP2 shards (the outer params, prime/outer_optimize
 pairs it with the same shard on every other node. diloco.mode = blocking: the inner steps wait for the
 outer step. delayed: the outer step of round k is decided in a background thread while round k+1
 runs (prime/outer_exchange.py) and applied one round late, keeping the local progress made meanwhile.
+streaming: the same for one of F fragments every H/F steps, with up to F of them in flight.
 
 The round is all-or-nothing: the pseudo-gradients stay intact until the coordinator says every
 member's all-reduce succeeded ("apply"); on "abort" the same pseudo-gradients go into a retry with the
 survivors. A node never applies its own pseudo-gradient alone.
 
 A node that is behind (it joined a running job, missed a step's deadline, was partitioned away, or
-diverged) catches up from its peers' snapshot servers while the others go on: it replays the averaged
-updates of the steps it missed, or fetches a whole snapshot when it holds nothing usable, checks the
-result against the hashes the coordinator committed, and enters the next round with everyone.
+diverged) catches up from its peers' snapshot servers while the others go on (prime/catch_up.py) and
+enters the next round with everyone.
 """
 
 from __future__ import annotations
@@ -21,28 +21,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from elastic_mesh.codecs import codec_for
-from elastic_mesh.collectives import decode_wire
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.snapshots import SnapshotError, build_snapshot
+from elastic_mesh.snapshots import build_snapshot
+from prime.catch_up import CatchUp
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
-from prime.optim import adam_state_tensors, load_adam_state
+from prime.optim import adam_state_tensors
 from prime.outer_exchange import Exchange, InFlight, StepClock, exchange
 from prime.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
 
 
-class StateMismatch(RuntimeError):
-    """The state a node rebuilt from its peers does not hash to what the coordinator committed."""
-
-
-class DilocoHook:
+class DilocoHook(CatchUp):
     """Runs the outer step every H inner steps; catches up from peers when the node is behind."""
 
     def __init__(self, model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig,
@@ -57,7 +54,7 @@ class DilocoHook:
         self._publisher: threading.Thread | None = None
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
         self._snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
-        self._inflight: InFlight | None = None  # delayed: the outer step decided while this round runs
+        self._inflight: deque[InFlight] = deque()  # overlapped modes: outer steps being decided, oldest first
         # delayed: the background thread's coordinator calls and agreements use their own local group
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
@@ -78,17 +75,22 @@ class DilocoHook:
         """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer."""
         self._wait_for_publisher()
         step = self.outer_step
-        if self._inflight is not None and self._inflight.wait().status == "applied":
-            step = self._inflight.step  # applied to the outer params already; the model keeps its local progress
+        for inflight in self._inflight:  # applied to the outer params already; the model keeps its local progress
+            if inflight.wait().status != "applied":
+                break
+            step = inflight.step
         return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(step)}
 
     def on_end(self, trainer) -> None:
         """Keeps serving for a while after the last step, so a node still catching up can finish too."""
-        if self._inflight is not None:  # a run that ends between outer steps: it ends on the last average
-            if self._inflight.wait().status == "applied":
-                self.outer_step = self._inflight.step
-                self.outer.copy_to(local_shards(self.model))
-            self._inflight = None
+        applied = self.outer_step
+        for inflight in self._inflight:  # a run that ends between outer steps: it ends on the last average
+            if inflight.wait().status != "applied":
+                break
+            self.outer_step = inflight.step
+        self._inflight.clear()
+        if self.outer_step != applied:
+            self.outer.copy_to(local_shards(self.model))
         if not self.config.serve_snapshots:
             return
         self._wait_for_publisher()
@@ -146,6 +148,8 @@ class DilocoHook:
     def _poison(self, pseudo: torch.Tensor, step: int) -> None:
         if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
             pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
+        if self.chaos.outlier_at_outer_step == step:
+            pseudo.mul_(1e4)
 
     def _round(self, trainer) -> dict:
         """blocking: the inner steps wait while the outer step is decided."""
@@ -197,30 +201,56 @@ class DilocoHook:
         applied now to its fragment of the model, keeping the local progress made since it was launched:
         θ ← outer + (θ − θ at launch). Every sync_period steps the next fragment's pseudo-gradient
         (outer − θ) is launched into the background. `delayed` is one fragment with τ = H (one-step-
-        delayed DiLoCo); `streaming` is F fragments in turn, each overlapped for τ ≤ H/F steps (Streaming
-        DiLoCo). At most one outer step is in flight: the previous one is applied before the next starts."""
+        delayed DiLoCo); `streaming` is F fragments in turn, each overlapped for τ ≤ H steps (Streaming
+        DiLoCo), so up to τ / (H/F) of them are in flight at once, each a different fragment."""
         started = time.perf_counter()
-        record, rewound_now = None, False
-        if self._inflight is not None and step >= self._inflight.apply_at:
-            inflight, self._inflight = self._inflight, None
+        outcome, record = self._apply_inflight(trainer, started, due_at=step)
+        if outcome == "caught_up" or step % self.config.sync_period:
+            return record
+        return self._launch(trainer, step, record, contribute=outcome != "rewound", started=started)
+
+    def _apply_inflight(self, trainer, started: float, due_at: int | None = None) -> tuple[str, dict | None]:
+        """Applies the outer steps in flight that are due at inner step `due_at` (all of them: None), oldest
+        first. Returns ("ok" | "rewound" | "caught_up", the last record; earlier ones are written).
+        A step the peers refused (contributed nothing from this node) rewinds the reading since the last
+        commit and drops the local progress; the steps after it went out without their reading, so they
+        are waited for first and the rewind covers them too."""
+        outcome, record = "ok", None
+        while self._inflight and (due_at is None or due_at >= self._inflight[0].apply_at):
+            inflight = self._inflight.popleft()
             exchange = inflight.wait()
             if exchange.status != "applied":
-                return self._out_of_step(trainer, exchange)  # everything read since the last commit is read again
+                self._abandon_inflight()  # the ones after it never started
+                return "caught_up", self._out_of_step(trainer, exchange)  # reading since the last commit: read again
+            if record:
+                trainer.metrics.write(record)
             record = self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
-            shards = local_shards(self.model)
-            if exchange.contributed or inflight.rewound:
-                self.outer.merge(shards, inflight.launched_from, inflight.fragment)
-            else:  # refused by the peers: its reading since the last commit is read again, its progress dropped
-                self._settle_data(trainer, "rewind")
-                self.outer.copy_to(shards)
-                rewound_now = True
-        if step % self.config.sync_period:
-            return record
-        return self._launch(trainer, step, record, contribute=not rewound_now, started=started)
+            if outcome == "rewound":
+                continue
+            if exchange.contributed or not inflight.marked:
+                self.outer.merge(local_shards(self.model), inflight.launched_from, inflight.fragment)
+            else:
+                outcome, due_at = "rewound", None
+        if outcome == "rewound":
+            self._settle_data(trainer, "rewind")
+            self.outer.copy_to(local_shards(self.model))
+        return outcome, record
+
+    def _abandon_inflight(self) -> None:
+        for inflight in self._inflight:
+            inflight.settled()  # a background thread must not touch the outer params while the node catches up
+        self._inflight.clear()
 
     def _launch(self, trainer, step: int, record: dict | None, contribute: bool, started: float) -> dict | None:
-        outer_step = self.outer_step + 1
         last = step >= trainer.config.train.max_steps
+        if last and self._inflight:  # the run ends on the average of every step: the ones in flight first
+            if record:
+                trainer.metrics.write(record)
+            outcome, record = self._apply_inflight(trainer, started)
+            if outcome == "caught_up":
+                return record
+            contribute = contribute and outcome != "rewound"
+        outer_step = (self._inflight[-1].step if self._inflight else self.outer_step) + 1
         # Streaming's last outer step closes every fragment at once, so the run's product holds all the
         # work: each other fragment would lose the progress made since its own last turn (up to H − H/F
         # steps; cpu-demo, F=5: 10 of 150 steps on average, +4% eval loss against blocking).
@@ -229,6 +259,15 @@ class DilocoHook:
         pseudo = self.outer.pseudo_gradient(shards, fragment)
         self._poison(pseudo, outer_step)
         finite = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
+        if contribute and not finite and self._inflight:
+            # The reading is about to be rewound: the steps in flight commit theirs first (other fragments,
+            # so this pseudo-gradient stands), or a refusal among them rewinds it already.
+            if record:
+                trainer.metrics.write(record)
+            outcome, record = self._apply_inflight(trainer, started)
+            if outcome == "caught_up":
+                return record
+            contribute = outcome != "rewound"
         data = self._round_data(trainer, mark=True) if contribute else []  # the same on every local rank
         rewound = not contribute
         if not contribute:  # what it read was just rewound: nothing to contribute to this step
@@ -244,11 +283,16 @@ class DilocoHook:
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
             if self.config.serve_snapshots and whole else None
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
-                            apply_at=step + self.config.overlap)
+                            apply_at=step + self.config.overlap, marked=not rewound)
         if not last:
             spread_until = self._clock.deadline(self.config.pace * self.config.overlap)
-            self._inflight = inflight.start(lambda: self._background_exchange(
-                self._background_mesh, outer_step, pseudo, data, contribute, inner, fragment, spread_until))
+            after = self._inflight[-1] if self._inflight else None
+
+            def decide(withhold: bool) -> Exchange:
+                return self._background_exchange(
+                    self._background_mesh, outer_step, torch.zeros_like(pseudo) if withhold else pseudo,
+                    [] if withhold else data, contribute and not withhold, inner, fragment, spread_until)
+            self._inflight.append(inflight.start(decide, after))
             return record
         # The last step: wait for this outer step and end on the outer model (the run's product, whose
         # hash the coordinator holds), dropping local progress no outer step averaged.
@@ -282,7 +326,9 @@ class DilocoHook:
         if exchange.contributed:
             self._settle_data(trainer, "committed")  # to the mark: the reading the outer step averaged
             self.tokens_contributed += inflight.tokens
-        return self._record(trainer, exchange, exchange.model_hash, waited_s, inflight.fragment)
+        record = self._record(trainer, exchange, exchange.model_hash, waited_s, inflight.fragment)
+        record["in_flight"] = len(self._inflight)  # launched after it and still being decided
+        return record
 
     # ---- serving peers ---------------------------------------------------------------------------------
     def _take_serving_faults(self) -> None:
@@ -336,135 +382,6 @@ class DilocoHook:
         if self._publisher is not None:
             self._publisher.join()
             self._publisher = None
-
-    # ---- catching up -------------------------------------------------------------------------------------
-    def _catch_up(self, trainer, full: bool) -> dict:
-        """Brings this node to the newest committed step from its peers, with nobody waiting for it: replays
-        the updates it missed (or fetches a whole snapshot when it holds nothing usable), then waits for
-        the next commit, replays that too, and starts the following round with everyone."""
-        started = time.perf_counter()
-        self._wait_for_publisher()
-        fetched, replayed = self._bring_to_newest(full)
-        # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
-        # moments of the same step, while the round in flight still runs.
-        inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
-        if self.outer_step * self.config.sync_period < trainer.config.train.max_steps:
-            self.mesh.wait_commit(self.outer_step)
-            more_fetched, more_replayed = self._bring_to_newest(full=False)
-            fetched, replayed = fetched + more_fetched, replayed + more_replayed
-        self.outer.copy_to(local_shards(self.model))
-        trainer.jump_to_step(self.outer_step * self.config.sync_period)
-        self._tokens_at_sync = trainer.tokens_seen
-        model_hash = node_hash(self.outer.digest())
-        self.mesh.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
-        elapsed = time.perf_counter() - started
-        download_s, self._download_s = self._download_s, 0.0
-        trainer.progress.note(f"caught up to outer step {self.outer_step} in {elapsed:.1f} s: "
-                              f"{fetched / 1e6:.1f} MB of snapshot, {inner_bytes / 1e6:.1f} MB of a peer's AdamW "
-                              f"moments, {replayed} update(s) replayed, hash {model_hash}")
-        return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "inner_state_bytes": inner_bytes,
-                "replayed": replayed,
-                "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
-                "step": trainer.step}
-
-    def _take_inner_state(self, trainer) -> int:
-        """Peers' AdamW moments after the snapshot's step (a publisher may still be writing them: a few
-        tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
-        work_dir = self.work_dir / f"rank{self.mesh.local_rank}"
-        for attempt in range(5):
-            sources = self.mesh.sources()
-            def fetch_and_load() -> int:
-                # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
-                # from a different one (mixed) and the download uses every source's uplink.
-                _, tensors, report = self.mesh.fetch(sources, "inner", self._snapshot_fetched, work_dir, mixed=True)
-                load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
-                return report.total_bytes
-            try:
-                return self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
-            except SnapshotError as e:
-                error = e
-                time.sleep(0.5 * (attempt + 1))
-        log.warning("%s: no peer's AdamW moments for outer step %d (%s); going on with fresh ones", self.mesh.name,
-                    self.outer_step, str(error)[:200])
-        return 0
-
-    def _bring_to_newest(self, full: bool) -> tuple[int, int]:
-        """Returns (snapshot bytes fetched, updates replayed). Keeps trying for diloco.catch_up_timeout_s:
-        a source may be restarting, partitioned, or still publishing the newest step."""
-        fetched, attempt = 0, 0
-        give_up = time.monotonic() + self.config.catch_up_timeout_s
-        while True:
-            attempt += 1
-            sources = self.mesh.sources()
-            try:
-                if full or sources["committed_step"] - self.outer_step > self.mesh.config.snapshot_keep:
-                    fetched += self._load_snapshot(sources)
-                    full = False
-                return fetched, self._replay(sources)
-            except (StateMismatch, SnapshotError) as e:
-                # A wrong state, or updates that stay unavailable (the newest one is usually only moments
-                # from being published; peers resumed from checkpoints keep none): a whole snapshot next.
-                full = full or isinstance(e, StateMismatch) or attempt >= 3
-                if time.monotonic() > give_up:
-                    raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
-                                        f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
-                log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
-                time.sleep(min(1.0 * attempt, 5.0))
-
-    def _agreed(self, fetch):
-        """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""
-        result, error = None, None
-        try:
-            result = fetch()
-        except (SnapshotError, OSError, ValueError, KeyError) as e:  # one rank must never fail alone
-            error = e if isinstance(e, SnapshotError) else SnapshotError(f"{type(e).__name__}: {e}")
-        if not self.mesh.agree(error is None):
-            raise error or SnapshotError("another local rank could not fetch its shard")
-        return result
-
-    def _snapshot_step(self, committed: int) -> int:
-        """The newest outer step whose whole snapshot peers serve. Streaming serves one per H inner steps
-        (every F-th outer step; each of the first F), since building and hashing the whole state every
-        H/F steps costs training; a joiner replays the few fragment updates after it."""
-        fragments = self.config.fragment_count
-        return committed if committed < fragments else committed - committed % fragments
-
-    def _load_snapshot(self, sources: dict) -> int:
-        step = self._snapshot_step(sources["committed_step"])
-        manifest, tensors, report = self._agreed(
-            lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
-        self.outer.load_state_tensor(tensors["state"])
-        self.outer_step = self._snapshot_fetched = step
-        self._download_s += report.seconds
-        self._check_hash(step, sources)
-        log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,
-                 report.total_bytes / 1e6, report.seconds, ", ".join(report.bytes_from))
-        return report.total_bytes
-
-    def _replay(self, sources: dict) -> int:
-        target = sources["committed_step"]
-        start = self.outer_step
-        for step in range(start + 1, target + 1):
-            manifest, tensors, _ = self._agreed(
-                lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
-            meta = manifest["meta"]
-            mean = tensors["mean"] if "mean" in tensors else decode_wire(
-                tensors["wire"], codec_for(meta["codec"]), meta["layout"])
-            self.outer.apply(mean, meta.get("fragment"))  # the model gets the result once caught up
-            self.outer_step = step
-        self._check_hash(target, sources)
-        return target - start
-
-    def _check_hash(self, step: int, sources: dict) -> None:
-        expected = sources["hashes"].get(step)
-        for _ in range(40):  # the members commit their hashes moments after the step is applied
-            if expected is not None:
-                break
-            time.sleep(0.25)
-            expected = self.mesh.sources()["hashes"].get(step)
-        got = node_hash(self.outer.digest())
-        if got != expected:
-            raise StateMismatch(f"outer step {step} rebuilt from peers hashes to {got}, the run committed {expected}")
 
     @staticmethod
     def _settle_data(trainer, outcome: str) -> None:

@@ -23,7 +23,9 @@ class DilocoConfig(BaseModel):
                                                        "the largest as small as whole parameters allow); one is "
                                                        "synchronised every H/fragments steps.")
     overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
-                                                    "background before it is applied (0: H/fragments, the most).")
+                                                    "background before it is applied (0: H/fragments). Up to H: "
+                                                    "over H/fragments, several fragments are in flight at once, "
+                                                    "decided one after another (see README).")
     pace: float = Field(0.0, ge=0, le=1, description="delayed/streaming: spread an outer step's all-reduce over "
                                                      "this fraction of the inner steps it runs behind (timed), "
                                                      "so the link never sees a burst at its full rate; 0 sends "
@@ -60,10 +62,10 @@ class DilocoConfig(BaseModel):
             if self.inner_steps % self.fragments:
                 raise ValueError(f"diloco.inner_steps {self.inner_steps} is not a multiple of diloco.fragments "
                                  f"{self.fragments}: one fragment is synchronised every H/fragments steps")
-            if self.overlap_steps > self.inner_steps // self.fragments:
-                raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over H/fragments = "
-                                 f"{self.inner_steps // self.fragments}: a fragment's outer step must be applied "
-                                 "before the next one starts")
+            if self.overlap_steps > self.inner_steps:
+                raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over diloco.inner_steps "
+                                 f"{self.inner_steps}: a fragment's outer step must be applied before the same "
+                                 "fragment is synchronised again")
         return self
 
     @property

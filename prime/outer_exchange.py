@@ -28,7 +28,7 @@ class Exchange:
     """One outer step as the coordinator decided it for this node."""
 
     step: int
-    status: str  # applied | missed | resync | dropped
+    status: str  # applied | missed | resync | dropped | skipped (an earlier step in flight was not applied)
     plan: StepPlan | None = None
     result: AllReduceResult | None = None
     contributed: bool = False
@@ -37,27 +37,50 @@ class Exchange:
 
 
 class InFlight:
-    """An overlapped outer step, decided in a background thread while the inner steps go on."""
+    """An overlapped outer step, decided in a background thread while the inner steps go on. Several may
+    be in flight (streaming with an overlap over H/F steps); each is decided after the one before it
+    (`after`), since the coordinator commits outer steps in order."""
 
     def __init__(self, step: int, tokens: int, rewound: bool, fragment: int = 0,
-                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0) -> None:
+                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0, marked: bool = False) -> None:
         self.step, self.tokens = step, tokens  # tokens: read by the window it averages
         self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient)
+        self.marked = marked  # its reading was marked, to be committed when it is averaged
+        self.withheld = False  # it went out without its reading: an earlier step left the reading before it uncommitted
         self.fragment, self.launched_from = fragment, launched_from or []  # the fragment's shards at launch
         self.apply_at = apply_at  # the inner step at which the training thread applies it
         self._thread: threading.Thread | None = None
         self._exchange: Exchange | None = None
         self._error: BaseException | None = None
 
-    def start(self, run) -> "InFlight":
+    def start(self, run: Callable[[bool], Exchange], after: "InFlight | None" = None) -> "InFlight":
+        """run(withhold) decides the step in a background thread, once `after` (the outer step launched
+        before it, if still in flight) is decided: not at all if that one was not applied (this node is
+        catching up instead), and without this step's reading (withhold) if that one's reading was not
+        committed: this step's report starts where that one's ends."""
         def target() -> None:
             try:
-                self._exchange = run()
+                if after is not None:
+                    previous = after.settled()
+                    if previous is None or previous.status != "applied":
+                        self._exchange = Exchange(self.step, "skipped")
+                        return
+                    self.withheld = after.left_reading_uncommitted()
+                self._exchange = run(self.withheld)
             except BaseException as e:  # re-raised in the training thread, which owns the node's fate
                 self._error = e
         self._thread = threading.Thread(target=target, daemon=True, name=f"outer-step-{self.step}")
         self._thread.start()
         return self
+
+    def settled(self) -> Exchange | None:
+        """The decision once made; None if deciding raised (the training thread re-raises it)."""
+        if self._thread is not None:
+            self._thread.join()
+        return None if self._error is not None else self._exchange
+
+    def left_reading_uncommitted(self) -> bool:
+        return self.withheld or (self.marked and not self._exchange.contributed)
 
     def wait(self) -> Exchange:
         if self._thread is not None:

@@ -33,8 +33,8 @@ def test_overrides_are_typed():
     ({"model.num_heads": "5"}, "hidden_size 64 is not divisible by num_heads 5"),
     ({"optim.schedule": "linear"}, "optim.schedule"),
     ({"diloco.mode": "streaming", "diloco.fragments": "2"}, "diloco.inner_steps 5 is not a multiple of diloco.fragments 2"),
-    ({"diloco.mode": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2", "diloco.overlap_steps": "6"},
-     "diloco.overlap_steps 6 is over H/fragments = 5"),
+    ({"diloco.mode": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2", "diloco.overlap_steps": "11"},
+     "diloco.overlap_steps 11 is over diloco.inner_steps 10"),
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
     ({"diloco.pace": "1.5"}, "diloco.pace"),
 ])

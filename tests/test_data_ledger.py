@@ -102,40 +102,44 @@ def test_commits_refusals_and_deaths_keep_every_document_exactly_once(tmp_path, 
     assert report.tokens == committed_windows * SEQ_LEN, report.summary()
 
 
-def test_delayed_rounds_commit_one_round_late_and_still_read_exactly_once(tmp_path, shard_files):
-    """diloco.mode = delayed: a round's reading is marked when it ends and committed (or refused) while
-    the next round reads on; a refusal re-reads both rounds, a death releases both."""
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_overlapped_rounds_commit_late_and_still_read_exactly_once(tmp_path, shard_files, depth):
+    """The overlapped modes: a round's reading is marked when it ends and committed (or refused) while
+    later rounds read on, with up to `depth` rounds in flight (1: delayed; more: streaming with an
+    overlap over H/F steps, the coordinator committing them in order). A refusal re-reads every round
+    still in flight (the later ones went out without their reading), a death releases them all."""
     shards = make_shards(shard_files, parts_per_file=2)
     state, ledger = fresh_ledger(tmp_path, len(shards))
-    rng = random.Random(2)
+    rng = random.Random(2 + depth)
     workers = [Worker(ledger, state, f"node{i}", shards) for i in range(3)]
-    in_flight: list[tuple | None] = [None, None, None]  # (outer step, ranges, windows) of the marked round
+    in_flight: list[list[tuple]] = [[], [], []]  # per worker: (outer step, ranges, windows) of marked rounds
     born, outcomes, committed_windows = 3, {"commit": 0, "refused": 0, "died": 0}, 0
     for step in range(1, 61):
         for i in range(3):
             w = workers[i]
             for _ in range(rng.randint(1, 12)):
                 w.draw()
-            if in_flight[i] is not None:  # the round ends: the previous round's outer step is decided now
-                marked_step, ranges, windows = in_flight[i]
-                in_flight[i] = None
+            if len(in_flight[i]) == depth:  # the oldest round in flight is decided now
+                marked_step, ranges, windows = in_flight[i].pop(0)
                 fate = rng.choices(["commit", "refused", "died"], [8, 1, 1])[0]
                 outcomes[fate] += 1
                 if fate == "refused":
                     w.rewind()
+                    in_flight[i].clear()
                     continue
                 if fate == "died":
                     with state.transaction():
                         ledger.release(w.node)
                     workers[i] = Worker(ledger, state, f"node{born}", shards)
+                    in_flight[i].clear()
                     born += 1
                     continue
                 with state.transaction():
                     assert ledger.check(w.node, ranges) is None
                     ledger.commit(marked_step, w.node, ranges)
-                w.stream.committed()  # to the mark; the reading since goes on
+                w.stream.committed()  # to the oldest mark; the reading since goes on
                 committed_windows += windows
-            in_flight[i] = (step, parse_report(w.stream.mark(), workers=1), w.drawn)
+            in_flight[i].append((step, parse_report(w.stream.mark(), workers=1), w.drawn))
             w.drawn = 0
     assert min(outcomes.values()) > 0, outcomes
     report = audit(ledger.log(), shards, ByteTokenizer())

@@ -75,9 +75,10 @@ STREAMING = ["--diloco.mode", "streaming", "--diloco.inner_steps", "6", "--diloc
 
 
 def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpus):
-    """H=6, 3 fragments: one fragment's outer step every 2 inner steps, each overlapped for 2 steps, and
-    paced over 80% of them (inner steps made 0.25 s slower, so there is a window to pace over)."""
-    paced = ["--diloco.pace", "0.8", "--chaos.step_delay_s", "0.25"]
+    """H=6, 3 fragments: one fragment's outer step every 2 inner steps, each overlapped for 4 steps (two
+    fragments in flight at once), and paced over 80% of them (inner steps made 0.25 s slower, so there
+    is a window to pace over)."""
+    paced = ["--diloco.overlap_steps", "4", "--diloco.pace", "0.8", "--chaos.step_delay_s", "0.25"]
     with cluster(tmp_path, corpus, 3, steps=36, extra=[*STREAMING, *paced]) as c:
         for name in ("node0", "node1", "node2"):
             c.start_node(name)
@@ -85,6 +86,8 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
         records = c.outer_records("node0")
         assert sorted(records) == list(range(1, 19)), sorted(records)
         assert [records[k]["fragment"] for k in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+        # Each was applied while the next one was in flight (all but the last two, drained by the last step).
+        assert all(records[k]["in_flight"] == 1 for k in range(1, 16)), [records[k]["in_flight"] for k in records]
         assert_identical(c, ["node0", "node1", "node2"], range(1, 19))
         # Each outer step moves about a third of the model.
         sent = [records[k]["bytes_sent"] for k in range(1, 4)]
@@ -106,3 +109,22 @@ def test_streaming_join_replays_fragment_updates(tmp_path, corpus):
     assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught)
     assert_identical(c, ["node0", "node1", "late"], range(first, 46))
     assert_exactly_once(c, corpus)
+
+
+def test_streaming_refusal_with_fragments_in_flight_reads_them_again(tmp_path, corpus):
+    """Two fragments in flight (τ = 4 steps, one launched every 2): node1's outer step 3 is 10,000× too
+    large and refused by its peers. Step 4, launched while 3 was in flight, reported reading that starts
+    where 3's ends, which is never committed: it goes out without node1's reading, and both windows are
+    read again. The nodes stay identical and every document is read exactly once."""
+    overlapped = [*STREAMING, "--diloco.overlap_steps", "4"]
+    with cluster(tmp_path, corpus, 3, steps=24, extra=overlapped) as c:
+        c.start_node("node0")
+        c.start_node("node1", ["--chaos.outlier_at_outer_step", "3"])
+        c.start_node("node2")
+        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
+        assert_identical(c, ["node0", "node1", "node2"], range(1, 13))
+        records = c.outer_records("node0")
+        assert records[3]["refused"] == ["node1"] and records[3]["members"] == 2, records[3]
+        assert records[4]["members"] == 2 and records[4]["refused"] == [], records[4]  # withheld, not refused
+        assert records[6]["members"] == 3, records  # contributing again
+        assert_exactly_once(c, corpus)

@@ -11,9 +11,11 @@ mode's final eval loss (equal tokens), the largest transfer of one outer step wi
 to stay hidden (its bytes / the compute time it overlaps), and the peak rate on the wire: the most any
 node's link delivered to it in any 1 s of the steady state (sampled every 0.25 s), against blocking's.
 `--paces 0,0.8` runs each overlapped mode once per diloco.pace (its all-reduces spread over that
-fraction of their window; 0: at the link's rate). INTELLECT-1: 83% globally, 96% in the US.
+fraction of their window; 0: at the link's rate). `--overlaps 0,20` runs streaming once per
+diloco.overlap_steps τ as well (0: H/F; over H/F, several fragments are in flight at once).
+INTELLECT-1: 83% globally, 96% in the US.
 
-    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--paces 0,0.8]
+    python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--paces 0,0.8] [--overlaps 0]
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def main() -> int:
                         help="diloco.outer_momentum for every mode (default: the config's)")
     parser.add_argument("--paces", default="0",
                         help="diloco.pace values for delayed and streaming, comma-separated: one run each")
+    parser.add_argument("--overlaps", default="0",
+                        help="diloco.overlap_steps values for streaming, comma-separated (0: H/F): one run each")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     args = parser.parse_args()
     corpus = prepare()
@@ -88,10 +92,14 @@ def main() -> int:
         solo_rate, solo_steady = tokens_per_s(solo, names), tokens_per_s(solo, names, *steady)
         print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
         paces = [float(p) for p in args.paces.split(",")]
-        runs = [(mode, pace) for mode in args.modes.split(",") for pace in (paces if mode != "blocking" else [0.0])]
-        for mode, pace in runs:
+        overlaps = [int(t) for t in args.overlaps.split(",")]
+        runs = [(mode, pace, tau) for mode in args.modes.split(",") for pace in (paces if mode != "blocking" else [0.0])
+                for tau in (overlaps if mode == "streaming" else [0])]
+        for mode, pace, tau in runs:
             label = mode if len(paces) == 1 or mode == "blocking" else f"{mode} p{pace:g}"
-            extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments)] if mode == "streaming" else [])
+            label += f" τ{tau or H // args.fragments}" if mode == "streaming" and len(overlaps) > 1 else ""
+            extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments), "--diloco.overlap_steps",
+                                                str(tau)] if mode == "streaming" else [])
             extra += ["--diloco.pace", str(pace)] if mode != "blocking" else []
             with LocalCluster(Path(tmp) / label.replace(" ", "-"), args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
@@ -102,6 +110,8 @@ def main() -> int:
                 rate = tokens_per_s(c, names)
                 steps = [r for r in c.metrics("node0") if "loss" in r]
                 step_s = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)  # wall seconds per inner step
+                # Outer steps in flight are decided one after another, so even with τ over H/F each must move
+                # within one sync period (H/F steps) to keep up.
                 overlap = {"blocking": 0, "delayed": H, "streaming": H // args.fragments}[mode]
                 # The run's last outer step is left out: streaming's closes every fragment at once.
                 largest = max(r["bytes_sent"] for r in outer[:-1])
@@ -120,13 +130,14 @@ def main() -> int:
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
           f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
           f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; paces {args.paces}; "
+          f"streaming overlaps {args.overlaps} (0: H/F); "
           f"steady state = inner steps {steady[0]}-{steady[1]}")
-    print(f"{'mode':<16}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
+    print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
           f"{'peak vs blocking':>18}{'mean Mbit/s':>13}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
-        print(f"{mode:<16}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
+        print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
               f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}")

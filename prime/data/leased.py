@@ -10,6 +10,7 @@ and reads the same tokens again, so nothing is lost and nothing is counted twice
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -22,7 +23,7 @@ from prime.data.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a mark keys on the held shard itself
 class HeldShard:
     shard: int
     pass_: int
@@ -58,7 +59,9 @@ class LeasedSequenceStream:
         self.shards, self.tokenizer, self.seq_len, self.text_field = shards, tokenizer, seq_len, text_field
         self.lease, self.worker = lease, worker
         self.held: list[HeldShard] = []  # in reading order; all but the last are finished
-        self._mark: dict[int, tuple[tuple[int, int], bool]] | None = None  # id(held shard) -> (end, finished)
+        # Rounds marked and not yet settled, oldest first (overlapped modes: several outer steps may be in
+        # flight): held shard -> (end, finished) when the round was marked.
+        self._marks: deque[dict[HeldShard, tuple[tuple[int, int], bool]]] = deque()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
@@ -97,19 +100,27 @@ class LeasedSequenceStream:
         return [h.report(self.worker) for h in self.held if h.pass_ >= 0 and (h.finished or h.end != h.start)]
 
     def mark(self) -> list[dict]:
-        """A round ends while reading goes on (the delayed mode: its outer step is decided during the next
-        round): what it read, to report now, and the point the next committed() moves the cursors to."""
-        self._mark = {id(h): (h.end, h.finished) for h in self.held}
-        return self.report()
+        """A round ends while reading goes on (the overlapped modes: its outer step is decided during the
+        next inner steps): what it read since the round marked before it (or since the last commit), to
+        report now, and the point its committed() moves the cursors to. Rounds marked before it may still
+        be in flight; the coordinator commits them in order, so its report starts where theirs end."""
+        since = self._marks[-1] if self._marks else {}
+        ranges = []
+        for h in self.held:
+            start, done = since.get(h, (h.start, False))
+            if h.pass_ >= 0 and not done and (h.finished or h.end != start):
+                ranges.append(HeldShard(h.shard, h.pass_, start, h.end, h.finished).report(self.worker))
+        self._marks.append({h: (h.end, h.finished) for h in self.held})
+        return ranges
 
     def committed(self) -> None:
-        """The step averaged this worker's reading: cursors move on (to the mark, if a round was marked),
-        finished shards go back to the pool. In place: a running iterator goes on with the shard it is
-        reading, without re-reading the file."""
-        marks, self._mark = self._mark, None
+        """The step averaged this worker's reading: cursors move on (to the oldest mark, if rounds were
+        marked), finished shards go back to the pool. In place: a running iterator goes on with the shard
+        it is reading, without re-reading the file."""
+        marks = self._marks.popleft() if self._marks else None
         kept = []
         for h in self.held:
-            end, finished = marks.get(id(h), (h.start, False)) if marks is not None else (h.end, h.finished)
+            end, finished = marks.get(h, (h.start, False)) if marks is not None else (h.end, h.finished)
             if not finished:
                 h.start = end
                 kept.append(h)
@@ -118,10 +129,10 @@ class LeasedSequenceStream:
     def rewind(self) -> None:
         """The step did not average this worker's reading: read the same tokens again (the caller starts a
         new iterator)."""
-        self._mark = None
+        self._marks.clear()
         self.held = [HeldShard(h.shard, h.pass_, h.start, h.start) for h in self.held if h.pass_ >= 0]
 
     def forget(self) -> None:
         """The coordinator dropped this node: its leases went back to the pool; lease anew."""
-        self._mark = None
+        self._marks.clear()
         self.held = []

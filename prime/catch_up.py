@@ -1,0 +1,156 @@
+"""How a DiLoCo node that is behind (it joined a running job, missed a step's deadline, was partitioned
+away, or diverged) reaches the run's newest committed step from its peers' snapshot servers, with
+nobody waiting for it: it replays the averaged updates of the steps it missed, or fetches a whole
+snapshot when it holds nothing usable, and checks the result against the hashes the coordinator
+committed. A part of DilocoHook (prime/diloco.py), kept apart because it is a job of its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from elastic_mesh.codecs import codec_for
+from elastic_mesh.collectives import decode_wire
+from elastic_mesh.mesh import node_hash
+from elastic_mesh.snapshots import SnapshotError
+from prime.optim import load_adam_state
+from prime.outer_optimizer import local_shards
+
+log = logging.getLogger(__name__)
+
+
+class StateMismatch(RuntimeError):
+    """The state a node rebuilt from its peers does not hash to what the coordinator committed."""
+
+
+class CatchUp:
+    """Catching up from peers. Mixed into DilocoHook, whose mesh, outer params, config, work_dir,
+    outer_step and publisher it uses."""
+
+    def _catch_up(self, trainer, full: bool) -> dict:
+        """Brings this node to the newest committed step from its peers, with nobody waiting for it: replays
+        the updates it missed (or fetches a whole snapshot when it holds nothing usable), then waits for
+        the next commit, replays that too, and starts the following round with everyone."""
+        started = time.perf_counter()
+        self._wait_for_publisher()
+        fetched, replayed = self._bring_to_newest(full)
+        # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
+        # moments of the same step, while the round in flight still runs.
+        inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
+        if self.outer_step * self.config.sync_period < trainer.config.train.max_steps:
+            self.mesh.wait_commit(self.outer_step)
+            more_fetched, more_replayed = self._bring_to_newest(full=False)
+            fetched, replayed = fetched + more_fetched, replayed + more_replayed
+        self.outer.copy_to(local_shards(self.model))
+        trainer.jump_to_step(self.outer_step * self.config.sync_period)
+        self._tokens_at_sync = trainer.tokens_seen
+        model_hash = node_hash(self.outer.digest())
+        self.mesh.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
+        elapsed = time.perf_counter() - started
+        download_s, self._download_s = self._download_s, 0.0
+        trainer.progress.note(f"caught up to outer step {self.outer_step} in {elapsed:.1f} s: "
+                              f"{fetched / 1e6:.1f} MB of snapshot, {inner_bytes / 1e6:.1f} MB of a peer's AdamW "
+                              f"moments, {replayed} update(s) replayed, hash {model_hash}")
+        return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "inner_state_bytes": inner_bytes,
+                "replayed": replayed,
+                "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
+                "step": trainer.step}
+
+    def _take_inner_state(self, trainer) -> int:
+        """Peers' AdamW moments after the snapshot's step (a publisher may still be writing them: a few
+        tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
+        work_dir = self.work_dir / f"rank{self.mesh.local_rank}"
+        for attempt in range(5):
+            sources = self.mesh.sources()
+            def fetch_and_load() -> int:
+                # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
+                # from a different one (mixed) and the download uses every source's uplink.
+                _, tensors, report = self.mesh.fetch(sources, "inner", self._snapshot_fetched, work_dir, mixed=True)
+                load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
+                return report.total_bytes
+            try:
+                return self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
+            except SnapshotError as e:
+                error = e
+                time.sleep(0.5 * (attempt + 1))
+        log.warning("%s: no peer's AdamW moments for outer step %d (%s); going on with fresh ones", self.mesh.name,
+                    self.outer_step, str(error)[:200])
+        return 0
+
+    def _bring_to_newest(self, full: bool) -> tuple[int, int]:
+        """Returns (snapshot bytes fetched, updates replayed). Keeps trying for diloco.catch_up_timeout_s:
+        a source may be restarting, partitioned, or still publishing the newest step."""
+        fetched, attempt = 0, 0
+        give_up = time.monotonic() + self.config.catch_up_timeout_s
+        while True:
+            attempt += 1
+            sources = self.mesh.sources()
+            try:
+                if full or sources["committed_step"] - self.outer_step > self.mesh.config.snapshot_keep:
+                    fetched += self._load_snapshot(sources)
+                    full = False
+                return fetched, self._replay(sources)
+            except (StateMismatch, SnapshotError) as e:
+                # A wrong state, or updates that stay unavailable (the newest one is usually only moments
+                # from being published; peers resumed from checkpoints keep none): a whole snapshot next.
+                full = full or isinstance(e, StateMismatch) or attempt >= 3
+                if time.monotonic() > give_up:
+                    raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
+                                        f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
+                log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
+                time.sleep(min(1.0 * attempt, 5.0))
+
+    def _agreed(self, fetch):
+        """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""
+        result, error = None, None
+        try:
+            result = fetch()
+        except (SnapshotError, OSError, ValueError, KeyError) as e:  # one rank must never fail alone
+            error = e if isinstance(e, SnapshotError) else SnapshotError(f"{type(e).__name__}: {e}")
+        if not self.mesh.agree(error is None):
+            raise error or SnapshotError("another local rank could not fetch its shard")
+        return result
+
+    def _snapshot_step(self, committed: int) -> int:
+        """The newest outer step whose whole snapshot peers serve. Streaming serves one per H inner steps
+        (every F-th outer step; each of the first F), since building and hashing the whole state every
+        H/F steps costs training; a joiner replays the few fragment updates after it."""
+        fragments = self.config.fragment_count
+        return committed if committed < fragments else committed - committed % fragments
+
+    def _load_snapshot(self, sources: dict) -> int:
+        step = self._snapshot_step(sources["committed_step"])
+        manifest, tensors, report = self._agreed(
+            lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
+        self.outer.load_state_tensor(tensors["state"])
+        self.outer_step = self._snapshot_fetched = step
+        self._download_s += report.seconds
+        self._check_hash(step, sources)
+        log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,
+                 report.total_bytes / 1e6, report.seconds, ", ".join(report.bytes_from))
+        return report.total_bytes
+
+    def _replay(self, sources: dict) -> int:
+        target = sources["committed_step"]
+        start = self.outer_step
+        for step in range(start + 1, target + 1):
+            manifest, tensors, _ = self._agreed(
+                lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
+            meta = manifest["meta"]
+            mean = tensors["mean"] if "mean" in tensors else decode_wire(
+                tensors["wire"], codec_for(meta["codec"]), meta["layout"])
+            self.outer.apply(mean, meta.get("fragment"))  # the model gets the result once caught up
+            self.outer_step = step
+        self._check_hash(target, sources)
+        return target - start
+
+    def _check_hash(self, step: int, sources: dict) -> None:
+        expected = sources["hashes"].get(step)
+        for _ in range(40):  # the members commit their hashes moments after the step is applied
+            if expected is not None:
+                break
+            time.sleep(0.25)
+            expected = self.mesh.sources()["hashes"].get(step)
+        got = node_hash(self.outer.digest())
+        if got != expected:
+            raise StateMismatch(f"outer step {step} rebuilt from peers hashes to {got}, the run committed {expected}")
