@@ -59,9 +59,6 @@ class DilocoHook(CatchUp):
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
-        # diloco.eager = estimate: per fragment, the last average with this node's pseudo-gradient in it
-        # and the number of contributors: (A, Δ, M)
-        self._last_average: dict[int | None, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
@@ -124,7 +121,6 @@ class DilocoHook(CatchUp):
     def _out_of_step(self, trainer, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
         the node catches up from its peers, without anyone waiting for it."""
-        self._last_average.clear()  # the state it resumes from is the run's, not its own
         if exchange.status == "dropped":
             self.mesh.rejoin()
             if self._background_mesh is not None:
@@ -233,29 +229,12 @@ class DilocoHook(CatchUp):
                 continue
             if exchange.contributed or not inflight.marked:
                 self.outer.merge(local_shards(self.model), inflight.launched_from, inflight.fragment)
-                self._remember_average(exchange, inflight)
             else:
                 outcome, due_at = "rewound", None
         if outcome == "rewound":
             self._settle_data(trainer, "rewind")
             self.outer.copy_to(local_shards(self.model))
         return outcome, record
-
-    def _remember_average(self, exchange: Exchange, inflight: InFlight) -> None:
-        if self.config.eager != "estimate":
-            return
-        if exchange.contributed and inflight.sent is not None:
-            self._last_average[inflight.fragment] = (exchange.result.mean, inflight.sent,
-                                                     len(exchange.result.contributors))
-        else:  # an average without this node's share: nothing to swap it out of
-            self._last_average.pop(inflight.fragment, None)
-
-    def _eager_step(self, shards: list[torch.Tensor], pseudo: torch.Tensor, fragment: int | None) -> None:
-        """Resume from the outer step the average in flight is expected to give (diloco.eager)."""
-        if self.config.eager == "own":
-            self.outer.eager_step(shards, pseudo, fragment)
-        elif (last := self._last_average.get(fragment)) is not None:  # the first round has nothing to go on
-            self.outer.eager_step(shards, self.outer.eager_estimate(last[0], last[1], pseudo, last[2]), fragment)
 
     def _abandon_inflight(self) -> None:
         for inflight in self._inflight:
@@ -297,14 +276,14 @@ class DilocoHook(CatchUp):
             self.outer.copy_to(shards)
             self._settle_data(trainer, "rewind")
             rewound = True
-        elif self.config.eager != "off":
-            self._eager_step(shards, pseudo, fragment)
+        elif self.config.eager:
+            self.outer.eager_step(shards, pseudo, fragment)
         tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
         whole = self._snapshot_step(outer_step) == outer_step  # served with a whole snapshot: copy the moments
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
             if self.config.serve_snapshots and whole else None
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
-                            apply_at=step + self.config.overlap, marked=not rewound, sent=pseudo)
+                            apply_at=step + self.config.overlap, marked=not rewound)
         if not last:
             spread_until = self._clock.deadline(self.config.pace * self.config.overlap)
             after = self._inflight[-1] if self._inflight else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DilocoConfig(BaseModel):
@@ -31,11 +31,9 @@ class DilocoConfig(BaseModel):
                                                      "so the link never sees a burst at its full rate; 0 sends "
                                                      "at the link's rate. Too close to 1 and a slow step makes "
                                                      "the inner steps wait.")
-    eager: Literal["off", "own", "estimate"] = Field(
-        "off", description="delayed/streaming: what a node resumes from while its outer step is in flight. off: where "
-                           "it stands. own: an outer step taken with its own pseudo-gradient in place of the average. "
-                           "estimate: an outer step taken with the last average, this node's share of it swapped for "
-                           "its new pseudo-gradient (eager updates). true = own, false = off.")
+    eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
+                                          "outer step taken with this node's own pseudo-gradient in place of the "
+                                          "average (eager updates), rather than from where the node stands.")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(
@@ -57,15 +55,6 @@ class DilocoConfig(BaseModel):
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")
-
-    @field_validator("eager", mode="before")
-    @classmethod
-    def _eager_flag(cls, value: object) -> object:
-        """diloco.eager was a flag before it had three values; true and false keep their meaning."""
-        flags = {"true": "own", "false": "off"}
-        if isinstance(value, bool):
-            return "own" if value else "off"
-        return flags.get(value.lower(), value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _streaming_fits(self) -> "DilocoConfig":

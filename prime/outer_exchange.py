@@ -42,15 +42,13 @@ class InFlight:
     (`after`), since the coordinator commits outer steps in order."""
 
     def __init__(self, step: int, tokens: int, rewound: bool, fragment: int = 0,
-                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0, marked: bool = False,
-                 sent: torch.Tensor | None = None) -> None:
+                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0, marked: bool = False) -> None:
         self.step, self.tokens = step, tokens  # tokens: read by the window it averages
         self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient)
         self.marked = marked  # its reading was marked, to be committed when it is averaged
         self.withheld = False  # it went out without its reading: an earlier step left the reading before it uncommitted
         self.fragment, self.launched_from = fragment, launched_from or []  # the fragment's shards at launch
         self.apply_at = apply_at  # the inner step at which the training thread applies it
-        self.sent = sent  # this node's pseudo-gradient, as it went out (diloco.eager = estimate)
         self._thread: threading.Thread | None = None
         self._exchange: Exchange | None = None
         self._error: BaseException | None = None

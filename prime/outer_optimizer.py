@@ -104,14 +104,6 @@ class OuterOptimizer:
                 s = shards[i]
                 s.copy_((o - lr * direction).view_as(s).to(device=s.device, dtype=s.dtype))
 
-    @staticmethod
-    def eager_estimate(average: torch.Tensor, own_before: torch.Tensor, own_now: torch.Tensor,
-                       members: int) -> torch.Tensor:
-        """The average of an outer step still in flight, estimated from the one before it: this node's
-        share swapped for its new pseudo-gradient, the others' taken as they were (Kale et al., eager
-        updates for overlapped DiLoCo): A_k ≈ A_{k-1} + (Δ_k − Δ_{k-1}) / M."""
-        return average + (own_now - own_before) / members
-
     def merge(self, shards: list[torch.Tensor], launched_from: list[torch.Tensor], fragment: int | None) -> None:
         """The fragment's inner shards ← new outer params + the local progress made since the outer step
         was launched from `launched_from` (overlapped modes: nothing is thrown away while waiting)."""

@@ -163,25 +163,3 @@ def test_eager_step_is_the_outer_step_the_average_would_give_if_it_were_this_nod
     outer.eager_step(shards, pseudo, None)
     assert all(torch.allclose(s, r, atol=1e-6) for s, r in zip(shards, reference.outer))
     assert torch.equal(outer.state_tensor(), state)  # the shared outer state is untouched
-
-
-def test_eager_estimate_is_the_true_average_when_the_others_repeat_their_pseudo_gradients():
-    """diloco.eager = estimate: A_k ≈ A_{k-1} + (Δ_k − Δ_{k-1}) / M is exact when the other members'
-    pseudo-gradients did not change between the two steps, and moves by 1/M of this node's change."""
-    torch.manual_seed(2)
-    others = [torch.randn(10) for _ in range(2)]
-    mine_before, mine_now = torch.randn(10), torch.randn(10)
-    before = torch.stack([mine_before, *others]).mean(0)
-    now = torch.stack([mine_now, *others]).mean(0)
-    estimate = OuterOptimizer.eager_estimate(before, mine_before, mine_now, members=3)
-    assert torch.allclose(estimate, now, atol=1e-6)
-    assert not torch.allclose(estimate, mine_now, atol=0.1)  # not this node's own step ("own")
-
-
-def test_eager_keeps_its_old_flag_values():
-    from prime.diloco_config import DilocoConfig
-
-    assert DilocoConfig(eager=True).eager == "own" and DilocoConfig(eager="false").eager == "off"
-    assert DilocoConfig(eager="estimate").eager == "estimate"
-    with pytest.raises(ValueError, match="eager"):
-        DilocoConfig(eager="sometimes")
