@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 MIN_SPREAD_S, MAX_SPREAD_S = 0.1, 3600.0  # the spreads a member may ask for
-MIN_PIECE = 16 << 10
+MIN_PIECE = 4 << 10
 MAX_PIECE = 4 << 20
 PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth at the scale of a second
 # Pieces a paced sender has posted and not yet seen leave. Gloo writes a piece only once the receiver
