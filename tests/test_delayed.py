@@ -9,6 +9,15 @@ from tests.test_multinode import assert_exactly_once, assert_identical, cluster,
 DELAYED = ["--diloco.mode", "delayed"]
 
 
+def three_nodes_node1_faulty(c, fault: list[str], outer_steps: int) -> dict:
+    """node0..node2 train, node1 with `fault`; all finish and stay identical. node0's outer-step records."""
+    for name in ("node0", "node1", "node2"):
+        c.start_node(name, fault if name == "node1" else None)
+    assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
+    assert_identical(c, ["node0", "node1", "node2"], range(1, outer_steps + 1))
+    return c.outer_records("node0")
+
+
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
     """2 nodes × 2 local ranks (the background thread's own local group), 2 TCP streams per peer pair."""
     extra = [*DELAYED, "--data.parts_per_file", "2", "--mesh.streams_per_peer", "2"]
@@ -49,12 +58,7 @@ def test_delayed_non_finite_round_is_refused_and_read_again(tmp_path, corpus):
     """node1's round-2 pseudo-gradient is NaN: the peers refuse it; node1 keeps none of that round's
     progress (nor of round 3, which followed the refused reading), and reads both again."""
     with cluster(tmp_path, corpus, 3, steps=25, extra=DELAYED) as c:
-        c.start_node("node0")
-        c.start_node("node1", ["--chaos.nan_at_outer_step", "2"])
-        c.start_node("node2")
-        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
-        assert_identical(c, ["node0", "node1", "node2"], range(1, 6))
-        records = c.outer_records("node0")
+        records = three_nodes_node1_faulty(c, ["--chaos.nan_at_outer_step", "2"], outer_steps=5)
         assert records[2]["refused"] == ["node1"] and records[2]["members"] == 2, records[2]
         assert records[4]["members"] == 3, records  # contributing again once healthy
         losses = [r["loss"] for r in c.metrics("node1") if "loss" in r]
@@ -118,12 +122,7 @@ def test_streaming_refusal_with_fragments_in_flight_reads_them_again(tmp_path, c
     read again. The nodes stay identical and every document is read exactly once."""
     overlapped = [*STREAMING, "--diloco.overlap_steps", "4"]
     with cluster(tmp_path, corpus, 3, steps=24, extra=overlapped) as c:
-        c.start_node("node0")
-        c.start_node("node1", ["--chaos.outlier_at_outer_step", "3"])
-        c.start_node("node2")
-        assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
-        assert_identical(c, ["node0", "node1", "node2"], range(1, 13))
-        records = c.outer_records("node0")
+        records = three_nodes_node1_faulty(c, ["--chaos.outlier_at_outer_step", "3"], outer_steps=12)
         assert records[3]["refused"] == ["node1"] and records[3]["members"] == 2, records[3]
         assert records[4]["members"] == 2 and records[4]["refused"] == [], records[4]  # withheld, not refused
         assert records[6]["members"] == 3, records  # contributing again
