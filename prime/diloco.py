@@ -227,7 +227,7 @@ class DilocoHook(CatchUp):
             record = self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
             if outcome == "rewound":
                 continue
-            if exchange.contributed or not inflight.marked:
+            if exchange.contributed or inflight.rewound:
                 self.outer.merge(local_shards(self.model), inflight.launched_from, inflight.fragment)
             else:
                 outcome, due_at = "rewound", None
@@ -235,6 +235,12 @@ class DilocoHook(CatchUp):
             self._settle_data(trainer, "rewind")
             self.outer.copy_to(local_shards(self.model))
         return outcome, record
+
+    def _apply_all_inflight(self, trainer, record: dict | None, started: float) -> tuple[str, dict | None]:
+        """_apply_inflight for every step in flight, due or not; `record` (not yet written) goes first."""
+        if record:
+            trainer.metrics.write(record)
+        return self._apply_inflight(trainer, started)
 
     def _abandon_inflight(self) -> None:
         for inflight in self._inflight:
@@ -244,9 +250,7 @@ class DilocoHook(CatchUp):
     def _launch(self, trainer, step: int, record: dict | None, contribute: bool, started: float) -> dict | None:
         last = step >= trainer.config.train.max_steps
         if last and self._inflight:  # the run ends on the average of every step: the ones in flight first
-            if record:
-                trainer.metrics.write(record)
-            outcome, record = self._apply_inflight(trainer, started)
+            outcome, record = self._apply_all_inflight(trainer, record, started)
             if outcome == "caught_up":
                 return record
             contribute = contribute and outcome != "rewound"
@@ -262,9 +266,7 @@ class DilocoHook(CatchUp):
         if contribute and not finite and self._inflight:
             # The reading is about to be rewound: the steps in flight commit theirs first (other fragments,
             # so this pseudo-gradient stands), or a refusal among them rewinds it already.
-            if record:
-                trainer.metrics.write(record)
-            outcome, record = self._apply_inflight(trainer, started)
+            outcome, record = self._apply_all_inflight(trainer, record, started)
             if outcome == "caught_up":
                 return record
             contribute = outcome != "rewound"
@@ -283,7 +285,7 @@ class DilocoHook(CatchUp):
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
             if self.config.serve_snapshots and whole else None
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
-                            apply_at=step + self.config.overlap, marked=not rewound)
+                            apply_at=step + self.config.overlap)
         if not last:
             spread_until = self._clock.deadline(self.config.pace * self.config.overlap)
             after = self._inflight[-1] if self._inflight else None

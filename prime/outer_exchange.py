@@ -42,10 +42,9 @@ class InFlight:
     (`after`), since the coordinator commits outer steps in order."""
 
     def __init__(self, step: int, tokens: int, rewound: bool, fragment: int = 0,
-                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0, marked: bool = False) -> None:
+                 launched_from: list[torch.Tensor] | None = None, apply_at: int = 0) -> None:
         self.step, self.tokens = step, tokens  # tokens: read by the window it averages
-        self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient)
-        self.marked = marked  # its reading was marked, to be committed when it is averaged
+        self.rewound = rewound  # its reading was rewound already (a non-finite pseudo-gradient); else marked
         self.withheld = False  # it went out without its reading: an earlier step left the reading before it uncommitted
         self.fragment, self.launched_from = fragment, launched_from or []  # the fragment's shards at launch
         self.apply_at = apply_at  # the inner step at which the training thread applies it
@@ -80,7 +79,7 @@ class InFlight:
         return None if self._error is not None else self._exchange
 
     def left_reading_uncommitted(self) -> bool:
-        return self.withheld or (self.marked and not self._exchange.contributed)
+        return self.withheld or (not self.rewound and not self._exchange.contributed)
 
     def wait(self) -> Exchange:
         if self._thread is not None:
