@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from elastic_mesh.codecs import BLOCK, Codec
 from elastic_mesh.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
+from elastic_mesh.socket_pacing import GroupSockets
 from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
 
 
@@ -63,6 +64,7 @@ class AllReduceResult:
     ring: list[int] = field(default_factory=list)  # the order both phases took (ranks)
     ring_changed: bool = False
     rates: list[list[float]] | None = None  # bytes/s from i to j the ring was chosen on (None: no measurements)
+    kernel_paced: int = 0  # connections the kernel paced as well as the token bucket (socket_pacing.py)
 
 
 def decode_wire(wire: torch.Tensor, codec: Codec, layout: list[list[int]]) -> torch.Tensor:
@@ -231,7 +233,8 @@ def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, 
 def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Tensor, codec: Codec,
                     contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None, links: LinkEstimates | None = None,
-                    peers: list[str] | None = None, spread_s: float | None = None) -> AllReduceResult:
+                    peers: list[str] | None = None, spread_s: float | None = None,
+                    sockets: list[GroupSockets | None] | None = None) -> AllReduceResult:
     """Mean of `x` over the members whose `contributes` is true and whose tensor passes the header check.
 
     pg: one group, or several over the same members (one stripe of the tensor moves over each, at once).
@@ -242,6 +245,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     spread_s: pace the sends so that they take about this long in all (elastic_mesh/pacing.py) rather
     than going at the link's rate; a slower link still takes as long as it takes. Members agree on the
     longest spread any of them asks for: the all-reduce ends with its slowest sender anyway.
+    sockets: each group's TCP connections, where known (socket_pacing.py): a paced all-reduce has the
+    kernel pace them too, so the bytes leave evenly within each piece and after a stall.
     """
     started = time.perf_counter()
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
@@ -291,7 +296,13 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     slow = slow_peers(rank, rates)
     # Only stripe 0 is timed: with S stripes each sees about 1/S of a route, enough to tell the slow ones.
     timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
-    pacer = Pacer(pace) if pace else None
+    # The bucket paces each member's sends in all; each connection gets its stripe's share as a cap.
+    capped = [s for s in (sockets or [])[:len(bounds)] if s is not None] if pace else []
+    kernel_paced = 0
+
+    def cap(rate: float | None) -> int:
+        return sum(s.pace(None if rate is None else rate / len(bounds)) for s in capped)
+    pacer = Pacer(pace, to_send, on_rate=cap) if pace else None
 
     def run(i: int) -> None:
         def after_scatter() -> None:
@@ -312,13 +323,18 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
             errors.append(CollectiveError(f"stripe {i}: {type(e).__name__}: {e}", "scatter"))
             phases_done.abort()
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"all-reduce-stripe-{i}")
-               for i in range(1, len(bounds))]
-    for t in threads:
-        t.start()
-    run(0)
-    for t in threads:
-        t.join()
+    try:
+        kernel_paced = cap(pace) if capped else 0
+        threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"all-reduce-stripe-{i}")
+                   for i in range(1, len(bounds))]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+    finally:
+        if capped:  # the group's next, unpaced all-reduce goes at the link's rate
+            cap(None)
     if errors:
         blamed = [e for e in errors if e.blame]
         raise (blamed or errors)[0]
@@ -329,7 +345,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     return AllReduceResult(torch.cat([st.mean for st in stripes]), contributors, refused, moved, moved,
                            time.perf_counter() - started, wire=torch.cat([st.wire for st in stripes]),
                            layout=[[st.chunk, st.mean.numel(), world] for st in stripes], ring=ring,
-                           ring_changed=ring_changed, rates=rates)
+                           ring_changed=ring_changed, rates=rates, kernel_paced=kernel_paced)
 
 
 def header_size(world: int) -> int:

@@ -11,6 +11,7 @@ members agree on in the all-reduce's header.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable
@@ -25,26 +26,51 @@ PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth 
 # has posted its receive, so a receiver that gets to a phase late (or a connection that stalls after
 # a loss) would otherwise release every piece queued meanwhile at once, at the link's rate.
 OUTSTANDING = 2
+# The most a pacer behind its deadline speeds up to, as a multiple of its planned rate: enough to
+# make up a pause of a third of the spread, still far from a burst at the link's rate.
+CATCH_UP = 1.5
 
 
 class Pacer:
-    """Token bucket without a burst allowance, shared by every send of one member's all-reduce."""
+    """Token bucket without a burst allowance, shared by every send of one member's all-reduce.
 
-    def __init__(self, bytes_per_s: float) -> None:
+    Given the bytes it will pace in all, it also keeps to the deadline its rate implies: time lost
+    to a receiver late to a phase, or to the pause between the phases, is made up by raising the rate
+    just enough to end on time, spread over the time left (never more than CATCH_UP × the planned
+    rate), not in a burst. `on_rate` hears every change of rate (the kernel's caps follow it)."""
+
+    def __init__(self, bytes_per_s: float, total_bytes: int = 0,
+                 on_rate: Callable[[float], None] | None = None) -> None:
         if not bytes_per_s > 0:
             raise ValueError(f"a pace must be a positive rate, got {bytes_per_s} bytes/s")
-        self.bytes_per_s = bytes_per_s
+        self.bytes_per_s = self.planned = bytes_per_s
         self._next = time.monotonic()
+        self._left = total_bytes
+        self._end = self._next + total_bytes / bytes_per_s if total_bytes > 0 else None
+        self._on_rate = on_rate
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
         """Waits until `nbytes` more may go out."""
+        changed = None
         with self._lock:
             now = time.monotonic()
+            if self._end is not None:
+                rate = self._rate_to_end_on_time(now)
+                if abs(rate - self.bytes_per_s) > 0.05 * self.planned:  # no system call per piece
+                    self.bytes_per_s = changed = rate
+                self._left -= nbytes
             start = max(now, self._next)
             self._next = start + nbytes / self.bytes_per_s
+        if changed is not None and self._on_rate is not None:
+            self._on_rate(changed)
         if start > now:
             time.sleep(start - now)
+
+    def _rate_to_end_on_time(self, now: float) -> float:
+        time_left = self._end - now
+        needed = self._left / time_left if time_left > 0 else math.inf
+        return min(CATCH_UP * self.planned, max(self.planned, needed))
 
 
 def piece_bytes(bytes_per_s: float) -> int:

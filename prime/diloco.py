@@ -178,7 +178,8 @@ class DilocoHook(CatchUp):
     def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float,
                 fragment: int | None = 0) -> dict:
         plan, result = exchange.plan, exchange.result
-        late = {"blocking": "", "delayed": " (applied one round late)",
+        late = {"blocking": "", "delayed": " (applied one round late)" if self.config.overlap == self.config.inner_steps
+                else f" (applied {self.config.overlap} steps late)",
                 "streaming": " (all fragments: the run's last)" if fragment is None else
                              f" (fragment {fragment + 1}/{self.config.fragment_count}, applied "
                              f"{self.config.overlap} steps late)"}[self.config.mode]
@@ -187,7 +188,8 @@ class DilocoHook(CatchUp):
                   "outer_s": round(waited_s, 4), "exchange_s": round(exchange.seconds, 4),
                   "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
                   "model_hash": model_hash, "step": trainer.step, "tokens_contributed": self.tokens_contributed,
-                  "refused": [plan.members[r]["name"] for r in result.refused], "fragment": fragment}
+                  "refused": [plan.members[r]["name"] for r in result.refused], "fragment": fragment,
+                  "kernel_paced": result.kernel_paced}
         trainer.progress.note(
             f"outer step {exchange.step}{late}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
             f"nodes averaged, all-reduce {result.seconds:.2f} s{' in the background' if late else ''}, "

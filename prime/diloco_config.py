@@ -16,16 +16,19 @@ class DilocoConfig(BaseModel):
     mode: Literal["blocking", "delayed", "streaming"] = Field(
         "blocking", description="blocking: the inner steps wait for each outer step. delayed: the outer step of "
                                 "round k is decided in the background while round k+1 runs and applied one round "
-                                "late, keeping the local progress made meanwhile. streaming: the model is cut into "
+                                "late (or `overlap_steps` late), keeping the local progress made meanwhile. "
+                                "streaming: the model is cut into "
                                 "`fragments`, synchronised one after another every H/fragments steps, each in the "
                                 "background for `overlap_steps` (see README).")
     fragments: int = Field(5, ge=1, le=64, description="streaming: fragments of the model (consecutive layers, "
                                                        "the largest as small as whole parameters allow); one is "
                                                        "synchronised every H/fragments steps.")
-    overlap_steps: int = Field(0, ge=0, description="streaming: inner steps a fragment's outer step runs in the "
-                                                    "background before it is applied (0: H/fragments). Up to H: "
-                                                    "over H/fragments, several fragments are in flight at once, "
-                                                    "decided one after another (see README).")
+    overlap_steps: int = Field(0, ge=0, description="Inner steps an outer step runs in the background before it "
+                                                    "is applied. delayed: 0 is H (one round late); less applies "
+                                                    "the average sooner, so it must move within fewer steps. "
+                                                    "streaming: 0 is H/fragments; up to H: over H/fragments, "
+                                                    "several fragments are in flight at once, decided one after "
+                                                    "another (see README).")
     pace: float = Field(0.0, ge=0, le=1, description="delayed/streaming: spread an outer step's all-reduce over "
                                                      "this fraction of the inner steps it runs behind (timed), "
                                                      "so the link never sees a burst at its full rate; 0 sends "
@@ -57,15 +60,14 @@ class DilocoConfig(BaseModel):
                                 "catching up (a straggler that missed the final outer step).")
 
     @model_validator(mode="after")
-    def _streaming_fits(self) -> "DilocoConfig":
-        if self.mode == "streaming":
-            if self.inner_steps % self.fragments:
-                raise ValueError(f"diloco.inner_steps {self.inner_steps} is not a multiple of diloco.fragments "
-                                 f"{self.fragments}: one fragment is synchronised every H/fragments steps")
-            if self.overlap_steps > self.inner_steps:
-                raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over diloco.inner_steps "
-                                 f"{self.inner_steps}: a fragment's outer step must be applied before the same "
-                                 "fragment is synchronised again")
+    def _overlap_fits(self) -> "DilocoConfig":
+        if self.mode == "streaming" and self.inner_steps % self.fragments:
+            raise ValueError(f"diloco.inner_steps {self.inner_steps} is not a multiple of diloco.fragments "
+                             f"{self.fragments}: one fragment is synchronised every H/fragments steps")
+        if self.mode != "blocking" and self.overlap_steps > self.inner_steps:
+            raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over diloco.inner_steps "
+                             f"{self.inner_steps}: an outer step must be applied before the same "
+                             "part of the model is synchronised again")
         return self
 
     @property
@@ -82,5 +84,5 @@ class DilocoConfig(BaseModel):
         """Inner steps an outer step runs in the background (0: blocking)."""
         if self.mode == "blocking":
             return 0
-        return (self.overlap_steps or self.sync_period) if self.mode == "streaming" else self.inner_steps
+        return self.overlap_steps or self.sync_period
 

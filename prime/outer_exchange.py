@@ -147,7 +147,8 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
                                      outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
                                      links=mesh.links if mesh.config.ring_order == "measured" else None,
-                                     spread_s=spread_s)
+                                     spread_s=spread_s,
+                                     sockets=mesh.group_sockets(plan.epoch) if mesh.config.kernel_pacing else None)
             if result.ring_changed and mesh.local_rank == 0:
                 log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))
         except (CollectiveError, CoordinatorError, RuntimeError) as e:

@@ -35,6 +35,7 @@ def test_overrides_are_typed():
     ({"diloco.mode": "streaming", "diloco.fragments": "2"}, "diloco.inner_steps 5 is not a multiple of diloco.fragments 2"),
     ({"diloco.mode": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2", "diloco.overlap_steps": "11"},
      "diloco.overlap_steps 11 is over diloco.inner_steps 10"),
+    ({"diloco.mode": "delayed", "diloco.overlap_steps": "6"}, "diloco.overlap_steps 6 is over diloco.inner_steps 5"),
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
     ({"diloco.pace": "1.5"}, "diloco.pace"),
 ])

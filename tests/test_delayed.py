@@ -40,8 +40,9 @@ def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
 
 def test_delayed_kill_mid_all_reduce_keeps_the_round(tmp_path, corpus):
     """node2 dies between the phases of outer step 2's all-reduce, which runs in the background: the
-    survivors retry it with the pseudo-gradients kept, while their inner steps go on (eager updates)."""
-    with cluster(tmp_path, corpus, 3, extra=[*DELAYED, "--diloco.eager", "true"]) as c:
+    survivors retry it with the pseudo-gradients kept, while their inner steps go on (eager updates;
+    each average applied 3 steps after its launch, not a whole round of 5)."""
+    with cluster(tmp_path, corpus, 3, extra=[*DELAYED, "--diloco.eager", "true", "--diloco.overlap_steps", "3"]) as c:
         for name in ("node0", "node1"):
             c.start_node(name)
         c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
@@ -51,6 +52,7 @@ def test_delayed_kill_mid_all_reduce_keeps_the_round(tmp_path, corpus):
         step2 = c.outer_records("node0")[2]
         assert step2["attempt"] >= 2 and step2["members"] == 2, step2
         assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+        assert "applied 3 steps late" in c.log("node0")
         assert_exactly_once(c, corpus)
 
 
@@ -99,6 +101,8 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
         # Paced: a transfer loopback moves in milliseconds is spread over ~0.8 × 2 × 0.25 s.
         seconds = sorted(records[k]["allreduce_s"] for k in range(4, 18))
         assert seconds[len(seconds) // 2] > 0.25, seconds
+        # ... and the kernel paced both of each node's connections (one per peer) as well as the bucket.
+        assert all(records[k]["kernel_paced"] == 2 for k in range(4, 18)), [records[k]["kernel_paced"] for k in records]
         # The last outer step closes every fragment at once: the run ends on an average of all its work.
         assert records[18]["fragment"] is None and records[18]["bytes_sent"] > 0.9 * sum(sent), records[18]
         losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]

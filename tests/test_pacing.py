@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.pacing import OUTSTANDING, Pacer, PiecewiseSend
+from elastic_mesh.pacing import CATCH_UP, OUTSTANDING, Pacer, PiecewiseSend
 
 
 class _HeldBackTransport:
@@ -61,6 +61,20 @@ def test_a_stalled_pacer_does_not_catch_up_in_a_burst():
     for _ in range(3):
         pacer.take(100_000)
     assert time.monotonic() - started >= 0.18, "the time the sender was away was spent as a burst"
+
+
+def test_a_pacer_behind_its_deadline_makes_up_the_time_over_what_is_left():
+    """400 KB at 1 MB/s is due in 0.4 s; away for 0.3 s after the first 100 KB, the pacer raises its
+    rate (and tells the kernel's caps) so as to end near the deadline, but only to CATCH_UP × the plan."""
+    rates = []
+    pacer = Pacer(1e6, total_bytes=400_000, on_rate=rates.append)
+    pacer.take(100_000)
+    time.sleep(0.3)
+    started = time.monotonic()
+    for _ in range(3):
+        pacer.take(100_000)
+    assert rates == [CATCH_UP * 1e6], rates
+    assert time.monotonic() - started >= 0.9 * 2 * 100_000 / (CATCH_UP * 1e6), "made up in a burst"
 
 
 def test_unpaced_sends_post_every_piece_at_once():

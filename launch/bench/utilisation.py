@@ -11,11 +11,15 @@ mode's final eval loss (equal tokens), the largest transfer of one outer step wi
 to stay hidden (its bytes / the compute time it overlaps), and the peak rate on the wire: the most any
 node's link delivered to it in any 1 s of the steady state (sampled every 0.25 s), against blocking's.
 `--paces 0,0.8` runs each overlapped mode once per diloco.pace (its all-reduces spread over that
-fraction of their window; 0: at the link's rate). `--overlaps 0,20` runs streaming once per
-diloco.overlap_steps τ as well (0: H/F; over H/F, several fragments are in flight at once).
+fraction of their window; 0: at the link's rate). `--overlaps 0,20` runs each overlapped mode once
+per diloco.overlap_steps τ as well (0: H for delayed, H/F for streaming; under H, delayed applies the
+average sooner; over H/F, several streaming fragments are in flight at once).
+`kernel-paced` counts the outer steps whose connections the kernel paced as well as the token bucket
+(mesh.kernel_pacing; only paced runs have any).
 INTELLECT-1: 83% globally, 96% in the US.
 
     python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--paces 0,0.8] [--overlaps 0]
+    python launch/bench/utilisation.py --inner-steps 50 --steps 200 --runs blocking,streaming:p0.9,delayed:t25
 """
 
 from __future__ import annotations
@@ -44,6 +48,25 @@ def tokens_per_s(cluster: LocalCluster, names: list[str], first: int = 0, last: 
     return total / max(spans)
 
 
+def run_spec(spec: str) -> tuple[str, float, int]:
+    """'delayed:p0.8:t25' -> ("delayed", 0.8, 25): a mode, its diloco.pace and diloco.overlap_steps."""
+    mode, *options = spec.strip().split(":")
+    if mode not in ("blocking", "delayed", "streaming"):
+        raise ValueError(f"--runs: {spec!r} does not start with blocking, delayed or streaming")
+    pace, tau = 0.0, 0
+    for option in options:
+        try:
+            if option[:1] == "p":
+                pace = float(option[1:])
+            elif option[:1] == "t":
+                tau = int(option[1:])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--runs: {option!r} in {spec!r} is neither pPACE nor tOVERLAP") from None
+    return mode, pace, tau
+
+
 def final_eval(cluster: LocalCluster, name: str) -> float:
     return [r["eval_loss"] for r in cluster.metrics(name) if "eval_loss" in r][-1]
 
@@ -63,9 +86,17 @@ def main() -> int:
     parser.add_argument("--paces", default="0",
                         help="diloco.pace values for delayed and streaming, comma-separated: one run each")
     parser.add_argument("--overlaps", default="0",
-                        help="diloco.overlap_steps values for streaming, comma-separated (0: H/F): one run each")
+                        help="diloco.overlap_steps values for delayed and streaming, comma-separated (0: H for delayed, "
+                             "H/F for streaming): one run each")
+    parser.add_argument("--runs", default="",
+                        help="instead of --modes/--paces/--overlaps, the runs themselves, comma-separated: "
+                             "MODE[:pPACE][:tOVERLAP], e.g. blocking,streaming:p0.9,delayed:p0.8:t25")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     args = parser.parse_args()
+    try:
+        chosen = [run_spec(spec) for spec in args.runs.split(",")] if args.runs else None
+    except ValueError as e:
+        parser.error(str(e))
     corpus = prepare()
     names = [f"node{i}" for i in range(args.nodes)]
     H = args.inner_steps
@@ -93,13 +124,15 @@ def main() -> int:
         print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
         paces = [float(p) for p in args.paces.split(",")]
         overlaps = [int(t) for t in args.overlaps.split(",")]
-        runs = [(mode, pace, tau) for mode in args.modes.split(",") for pace in (paces if mode != "blocking" else [0.0])
-                for tau in (overlaps if mode == "streaming" else [0])]
+        runs = chosen or [(mode, pace, tau) for mode in args.modes.split(",")
+                          for pace in (paces if mode != "blocking" else [0.0])
+                          for tau in (overlaps if mode != "blocking" else [0])]
         for mode, pace, tau in runs:
-            label = mode if len(paces) == 1 or mode == "blocking" else f"{mode} p{pace:g}"
-            label += f" τ{tau or H // args.fragments}" if mode == "streaming" and len(overlaps) > 1 else ""
-            extra = ["--diloco.mode", mode] + (["--diloco.fragments", str(args.fragments), "--diloco.overlap_steps",
-                                                str(tau)] if mode == "streaming" else [])
+            label = mode if (len(paces) == 1 and not chosen) or mode == "blocking" else f"{mode} p{pace:g}"
+            label += f" τ{tau or (H // args.fragments if mode == 'streaming' else H)}" \
+                if mode != "blocking" and (len(overlaps) > 1 or chosen) else ""
+            extra = ["--diloco.mode", mode, "--diloco.overlap_steps", str(tau)] if mode != "blocking" else []
+            extra += ["--diloco.fragments", str(args.fragments)] if mode == "streaming" else []
             extra += ["--diloco.pace", str(pace)] if mode != "blocking" else []
             with LocalCluster(Path(tmp) / label.replace(" ", "-"), args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
@@ -112,7 +145,7 @@ def main() -> int:
                 step_s = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)  # wall seconds per inner step
                 # Outer steps in flight are decided one after another, so even with τ over H/F each must move
                 # within one sync period (H/F steps) to keep up.
-                overlap = {"blocking": 0, "delayed": H, "streaming": H // args.fragments}[mode]
+                overlap = {"blocking": 0, "delayed": tau or H, "streaming": H // args.fragments}[mode]
                 # The run's last outer step is left out: streaming's closes every fragment at once.
                 largest = max(r["bytes_sent"] for r in outer[:-1])
                 window = (next(r["time"] for r in steps if r["step"] >= steady[0]),
@@ -123,24 +156,26 @@ def main() -> int:
                               "waited_s": sum(r["outer_s"] for r in outer), "largest_mb": largest / 1e6,
                               "hide_mbit": largest * 8 / 1e6 / (overlap * step_s) if overlap else float("nan"),
                               "peak_mbit": meter.peak_bytes_per_s(1.0, *window) * 8 / 1e6,
-                              "mean_mbit": meter.mean_bytes_per_s(*window) * 8 / 1e6}
+                              "mean_mbit": meter.mean_bytes_per_s(*window) * 8 / 1e6,
+                              "kernel": f"{sum(1 for r in outer if r.get('kernel_paced'))}/{len(outer)}"}
                 row = rows[label]
                 print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
                       f"(steady {row['steady'] / solo_steady:.1%}), eval loss {row['eval']:.4f}", flush=True)
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
           f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
-          f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; paces {args.paces}; "
-          f"streaming overlaps {args.overlaps} (0: H/F); "
+          f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; "
+          + (f"runs {args.runs}; " if chosen else f"paces {args.paces}; overlaps {args.overlaps} ")
+          + "(τ 0: H for delayed, H/F for streaming); "
           f"steady state = inner steps {steady[0]}-{steady[1]}")
     print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
-          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}")
+          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
         print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
-              f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}")
+              f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}")
     return 0
 
 
