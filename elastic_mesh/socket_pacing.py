@@ -6,8 +6,9 @@ after a loss or a stall it flushes what it holds: a link metered over one second
 paced rate. Linux can pace every segment of a socket itself (SO_MAX_PACING_RATE: TCP's own pacing,
 no fq qdisc needed since 4.13). Gloo does not expose its sockets, so this module finds them: the TCP
 connections a group's construction opened in this process (NewConnections; Gloo connects every pair
-of a group eagerly, one connection per peer). It only ever touches sockets it can prove are the group's: if
-the connections it finds are not exactly one per peer, the group is left to the token bucket alone.
+of a group eagerly, one connection per peer), less those of servers this process already ran and of
+the coordinator. That is a count, not a proof: if it finds anything but exactly one connection per
+peer, the group is left to the token bucket alone rather than capping a socket that is not its own.
 
 It never holds a socket open: each rate change duplicates the descriptor, checks it is still the
 same socket (same inode), sets the option and closes the duplicate, so a group that Gloo closes
