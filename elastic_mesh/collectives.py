@@ -298,7 +298,6 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
     # The bucket paces each member's sends in all; each connection gets its stripe's share as a cap.
     capped = [s for s in (sockets or [])[:len(bounds)] if s is not None] if pace else []
-    kernel_paced = 0
 
     def cap(rate: float | None) -> int:
         return sum(s.pace(None if rate is None else rate / len(bounds)) for s in capped)

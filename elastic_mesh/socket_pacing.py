@@ -83,13 +83,16 @@ class NewConnections:
         if not self._linux:
             return None
         after, table = _socket_inodes(), _tcp_table()
-        found = [(fd, inode) for fd, inode in after.items()
-                 if fd not in self._before and inode in table and table[inode][2] == _ESTABLISHED
+        new = {fd: inode for fd, inode in after.items() if fd not in self._before}
+        found = [(fd, inode) for fd, inode in new.items()
+                 if inode in table and table[inode][2] == _ESTABLISHED
                  and table[inode][0] not in self._serving and table[inode][1] not in avoid_ports]
         self._before = after
         if len(found) != peers:
-            log.debug("kernel pacing off for this group: %d new connections where %d peers were expected",
-                        len(found), peers)
+            seen = ", ".join(f"port {table[i][0]} -> {table[i][1]} (state {table[i][2]})" if i in table
+                             else f"descriptor {fd} (not TCP)" for fd, i in new.items())
+            log.info("kernel pacing is off for this group (the token bucket alone paces it): %d new "
+                     "connections where %d peers were expected; new sockets: %s", len(found), peers, seen or "none")
             return None
         return GroupSockets(found)
 
