@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from elastic_mesh.kept_connections import KeptConnections
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
@@ -90,6 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: "SnapshotServer"
     timeout = 30
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as two writes: see coordinator/server.py
 
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
@@ -205,34 +208,20 @@ class SnapshotFetcher:
         self.timeout_s, self.streams = timeout_s, streams_per_source
         self.max_failures = max_failures_per_source
 
-    def _get(self, source: str, path: str, conns: dict[str, http.client.HTTPConnection] | None = None) -> bytes:
+    def _get(self, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
         """One GET. With `conns` (a download stream's own connections) the connection to each source is
         kept open between chunks: a new TCP connection per 4 MiB chunk restarts slow start every time,
         which costs most on the long, fat links snapshots cross."""
-        conn = conns.pop(source, None) if conns is not None else None
-        reused = conn is not None
-        if conn is None:
-            host, port = source.rsplit(":", 1)
-            conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
+        kept = conns or KeptConnections(self.timeout_s)
         try:
-            conn.request("GET", path, headers={"X-Prime-Snapshot-Key": self.key})
-            response = conn.getresponse()
-            body = response.read()  # read whole even on an error status, so the connection stays usable
-        except (http.client.HTTPException, ConnectionError) as e:
-            conn.close()
-            if reused:  # the server closed an idle kept connection: not the source's fault, try a fresh one
-                log.debug("kept connection to %s was closed (%s); reconnecting", source, e)
-                return self._get(source, path, conns)
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        if conns is not None:
-            conns[source] = conn
-        else:
-            conn.close()
-        if response.status != 200:
-            raise SnapshotError(f"{source}{path}: HTTP {response.status} {body[:200].decode(errors='replace')}")
+            status, body = kept.request(source, "GET", path, headers={"X-Prime-Snapshot-Key": self.key})
+        except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
+            raise SnapshotError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
+        finally:
+            if conns is None:
+                kept.close()
+        if status != 200:
+            raise SnapshotError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
         return body
 
     def manifests(self, step: int | None, kind: str) -> dict[str, dict]:
@@ -301,14 +290,13 @@ class SnapshotFetcher:
             return [s for s in sources if failures[s] < self.max_failures and s not in excluded]
 
         def worker() -> None:
-            conns: dict[str, http.client.HTTPConnection] = {}
+            conns = KeptConnections(self.timeout_s)
             try:
                 fetch_chunks(conns)
             finally:
-                for conn in conns.values():
-                    conn.close()
+                conns.close()
 
-        def fetch_chunks(conns: dict[str, http.client.HTTPConnection]) -> None:
+        def fetch_chunks(conns: KeptConnections) -> None:
             while True:
                 with lock:
                     if remaining[0] == 0 or errors:

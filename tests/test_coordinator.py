@@ -81,8 +81,9 @@ def test_unauthenticated_requests_are_refused(coordinator, tmp_path):
     client = joined(coordinator, tmp_path, "a")
     assert client.get_status()["nodes"][0]["name"] == "a"  # with its session
     assert CoordinatorClient(address(coordinator)).get_status(make_token(tmp_path / "coord", 60))["run_id"]
-    with pytest.raises(urllib.error.HTTPError, match="401"):
+    with pytest.raises(CoordinatorError, match="needs a join token") as refused:
         CoordinatorClient(address(coordinator)).get_status()
+    assert refused.value.status == 401
     for path in ("/v1/ready", "/v1/store/get", "/v1/store/set", "/v1/heartbeat", "/v1/vote"):
         status, body = post_raw(coordinator, path, b'{"key": "x", "outer_step": 1}',
                                 {"X-Prime-Node": "nobody", "X-Prime-Session": "guess"})

@@ -33,8 +33,11 @@ DASHBOARD_FILES = {
 
 class _Handler(BaseHTTPRequestHandler):
     server: "CoordinatorServer"
-    timeout = 30  # seconds a client may take to send its request
+    timeout = 30  # seconds a client may take to send its request (or keep an idle connection)
     protocol_version = "HTTP/1.1"
+    # The headers and the body of an answer go out as two writes. With Nagle's algorithm the body waits
+    # until the headers are acknowledged: one more round trip per answer on a kept connection.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):  # the default writes every request to stderr
         log.debug("%s %s", self.address_string(), fmt % args)

@@ -1,0 +1,83 @@
+"""HTTP requests over kept-open TCP connections.
+
+Over a WAN link every new connection costs a round trip before the request can even go out (160 ms
+between two `global` hosts), and a new connection starts TCP's slow start again. A node asks the
+coordinator several questions per outer step (ready, vote, commit, rendezvous keys), and a joiner
+fetches a snapshot chunk by chunk, so both keep their connections open between requests.
+
+A kept connection the server closed while it sat idle (servers here drop one after 30 s without a
+request) fails on first use; that failure is not the peer's fault, so the request is sent once more
+on a fresh connection. Connections idle for longer than the servers wait are not reused at all.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+
+IDLE_S = 20.0  # under the 30 s the coordinator's and snapshot servers' handlers wait for a next request
+
+
+class KeptConnections:
+    """Idle connections, per host:port, that any thread may take for one request and give back. Each
+    request in flight holds its own connection, so long-polls of several threads never share one."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self._lock = threading.Lock()
+
+    def request(self, address: str, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """(status, body) of one request. Raises OSError or http.client.HTTPException when it failed on a
+        fresh connection; the whole body is read even on an error status, so the connection stays usable."""
+        conn, reused = self._take(address)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            data = response.read()
+        except (http.client.HTTPException, ConnectionError):
+            conn.close()
+            if reused:  # closed by the server while idle: send it again on a fresh connection
+                return self._fresh_request(address, method, path, body, headers)
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        self._give_back(address, conn, response.will_close)
+        return response.status, data
+
+    def _fresh_request(self, address: str, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str] | None) -> tuple[int, bytes]:
+        with self._lock:
+            stale = self._idle.pop(address, [])  # closed with the one that just failed, most likely
+        for conn, _ in stale:
+            conn.close()
+        return self.request(address, method, path, body, headers)
+
+    def _take(self, address: str) -> tuple[http.client.HTTPConnection, bool]:
+        now = time.monotonic()
+        with self._lock:
+            idle = self._idle.get(address, [])
+            while idle:
+                conn, since = idle.pop()
+                if now - since < IDLE_S:
+                    return conn, True
+                conn.close()
+        host, port = address.rsplit(":", 1)
+        return http.client.HTTPConnection(host, int(port), timeout=self.timeout_s), False
+
+    def _give_back(self, address: str, conn: http.client.HTTPConnection, closing: bool) -> None:
+        if closing:
+            conn.close()
+            return
+        with self._lock:
+            self._idle.setdefault(address, []).append((conn, time.monotonic()))
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn, _ in conns:
+                conn.close()

@@ -1,0 +1,139 @@
+"""Kept-open HTTP connections (elastic_mesh/kept_connections.py) against a real HTTP/1.1 server on
+loopback that counts the TCP connections it accepted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from elastic_mesh.client import CoordinatorClient
+from elastic_mesh.coordinator.run import make_token
+from elastic_mesh.kept_connections import KeptConnections
+
+
+class CountingServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, idle_timeout_s: float = 30.0, wait_for: int = 0) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = idle_timeout_s
+
+            def setup(self):
+                with server.lock:
+                    server.connections += 1
+                super().setup()
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/together":  # answers only once `wait_for` requests are in at once
+                    server.together.wait(timeout=10)
+                status = 404 if self.path == "/missing" else 200
+                body = f"{self.path} {status}".encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.lock, self.connections = threading.Lock(), 0
+        self.together = threading.Barrier(wait_for) if wait_for else None
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def test_requests_in_turn_share_one_connection_even_after_an_error_status():
+    server = CountingServer()
+    kept = KeptConnections(timeout_s=5)
+    try:
+        for i in range(5):
+            assert kept.request(server.address, "GET", f"/{i}") == (200, f"/{i} 200".encode())
+        assert kept.request(server.address, "GET", "/missing") == (404, b"/missing 404")
+        assert kept.request(server.address, "GET", "/after") == (200, b"/after 200")
+        assert server.connections == 1
+    finally:
+        kept.close()
+        server.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_without_an_error():
+    server = CountingServer(idle_timeout_s=0.2)
+    kept = KeptConnections(timeout_s=5)
+    try:
+        assert kept.request(server.address, "GET", "/a")[0] == 200
+        time.sleep(0.6)  # the server's handler gave up on the idle connection and closed it
+        assert kept.request(server.address, "GET", "/b") == (200, b"/b 200")
+        assert server.connections == 2
+    finally:
+        kept.close()
+        server.close()
+
+
+def test_requests_in_flight_at_once_each_hold_their_own_connection():
+    server = CountingServer(wait_for=3)  # no answer until three requests are in: one connection could not
+    kept = KeptConnections(timeout_s=15)
+    answers = []
+    try:
+        threads = [threading.Thread(target=lambda: answers.append(kept.request(server.address, "GET", "/together")))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert answers == [(200, b"/together 200")] * 3
+        assert server.connections == 3
+        for _ in range(6):  # the three are kept and reused, by any thread
+            kept.request(server.address, "GET", "/again")
+        assert server.connections == 3
+    finally:
+        kept.close()
+        server.close()
+
+
+def test_an_unreachable_server_raises_after_one_fresh_attempt():
+    server = CountingServer()
+    address = server.address
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        KeptConnections(timeout_s=2).request(address, "GET", "/")
+
+
+def test_the_coordinator_client_keeps_one_connection_for_a_nodes_requests(tmp_path):
+    """The real coordinator: a join and heartbeats in turn go over one TCP connection."""
+    from elastic_mesh.coordinator.config import CoordinatorConfig
+    from elastic_mesh.coordinator.run import start_coordinator
+
+    coordinator = start_coordinator(tmp_path / "coord", config=CoordinatorConfig())
+    accepted = []
+    original = coordinator.RequestHandlerClass.setup
+
+    def counting_setup(handler):
+        accepted.append(handler.client_address)
+        original(handler)
+    coordinator.RequestHandlerClass.setup = counting_setup
+    try:
+        client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", request_timeout_s=10, retry_s=5)
+        client.join(make_token(tmp_path / "coord", 60), name="a", fingerprint="fp1", procs_per_node=1,
+                    model_hash="h0", address="")
+        for _ in range(4):
+            client.post("/v1/heartbeat", {"telemetry": []})
+        assert client.get_status()["nodes"][0]["name"] == "a"
+        assert len(accepted) == 1, accepted
+        client.close()
+    finally:
+        coordinator.RequestHandlerClass.setup = original
+        coordinator.stop()
