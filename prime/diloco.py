@@ -189,7 +189,8 @@ class DilocoHook(CatchUp):
                   "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
                   "model_hash": model_hash, "step": trainer.step, "tokens_contributed": self.tokens_contributed,
                   "refused": [plan.members[r]["name"] for r in result.refused], "fragment": fragment,
-                  "kernel_paced": result.kernel_paced}
+                  "kernel_paced": result.kernel_paced,
+                  "timings": {k: round(v, 3) for k, v in exchange.timings.items()}}
         trainer.progress.note(
             f"outer step {exchange.step}{late}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
             f"nodes averaged, all-reduce {result.seconds:.2f} s{' in the background' if late else ''}, "
@@ -314,6 +315,7 @@ class DilocoHook(CatchUp):
         """An overlapped outer step: decided, applied to the fragment's outer params (not the model),
         committed and served to peers, all while the inner steps go on."""
         exchange = self._exchange(mesh, step, pseudo, data, contribute, spread_until)
+        decided = time.perf_counter()
         if exchange.status == "applied":
             self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)
@@ -323,6 +325,7 @@ class DilocoHook(CatchUp):
                     self._serve(step, inner, "inner")
                 self._serve_state_and_update(step, self.outer.state_tensor() if whole else None, exchange.result,
                                              fragment)
+            exchange.timings["settle_s"] = time.perf_counter() - decided
         return exchange
 
     def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:

@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,6 +34,9 @@ class Exchange:
     contributed: bool = False
     seconds: float = 0.0  # from the first plan to the decision, retries included
     model_hash: str = ""  # delayed: committed by the background thread
+    # Where the time went, retries included: the plan's barrier, the transfer (group, agreements and
+    # all-reduce), the vote; overlapped modes add the wait for the step before and the commit after.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class InFlight:
@@ -59,13 +62,16 @@ class InFlight:
         committed: this step's report starts where that one's ends."""
         def target() -> None:
             try:
+                queued = time.perf_counter()
                 if after is not None:
                     previous = after.settled()
                     if previous is None or previous.status != "applied":
                         self._exchange = Exchange(self.step, "skipped")
                         return
                     self.withheld = after.left_reading_uncommitted()
+                queued = time.perf_counter() - queued
                 self._exchange = run(self.withheld)
+                self._exchange.timings["queued_s"] = queued
             except BaseException as e:  # re-raised in the training thread, which owns the node's fate
                 self._error = e
         self._thread = threading.Thread(target=target, daemon=True, name=f"outer-step-{self.step}")
@@ -118,6 +124,14 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
     touch the model or the outer params: safe in a background thread (with mesh.background_view()).
     spread_until: pace the all-reduce's sends to end about then (time.monotonic()) rather than burst."""
     started = time.perf_counter()
+    timings = {"plan_s": 0.0, "transfer_s": 0.0, "vote_s": 0.0}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] += now - clock
+        clock = now
     while True:
         try:
             if mesh.dropped:
@@ -134,6 +148,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
                         mesh.name, step, "went on without this node" if plan.status == "missed" else
                         "showed this node diverged")
             return Exchange(step, plan.status, plan)
+        lap("plan_s")
         result, ok, blame = None, True, []
         try:
             if not mesh.agree(True):
@@ -156,6 +171,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             log.warning("%s: outer step %d attempt %d failed: %s", mesh.name, step, plan.attempt,
                         str(e).splitlines()[0][:200])
         ok = mesh.agree(ok)
+        lap("transfer_s")
         refused = result.refused if result else {}
         seconds = result.seconds if result else 0.0
         try:
@@ -165,6 +181,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
                 raise
             log.warning("%s was dropped during outer step %d (%s); joining again", mesh.name, step, e)
             return Exchange(step, "dropped")
+        lap("vote_s")
         if decision == "apply" and ok:
             break
         mesh.drop_group(plan.epoch)
@@ -173,4 +190,4 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
         log.warning("%s: outer step %d refused %s's pseudo-gradient: %s", mesh.name, step,
                     plan.members[rank]["name"], why)
     return Exchange(step, "applied", plan, result, plan.rank in result.contributors,
-                    seconds=time.perf_counter() - started)
+                    seconds=time.perf_counter() - started, timings=timings)

@@ -25,6 +25,7 @@ INTELLECT-1: 83% globally, 96% in the US.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,9 @@ def main() -> int:
                         help="instead of --modes/--paces/--overlaps, the runs themselves, comma-separated: "
                              "MODE[:pPACE][:tOVERLAP], e.g. blocking,streaming:p0.9,delayed:p0.8:t25")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
+    parser.add_argument("--keep", default="", metavar="DIR",
+                        help="keep every run's directory (each node's metrics.jsonl and logs) under DIR "
+                             "instead of a temporary one")
     args = parser.parse_args()
     try:
         chosen = [run_spec(spec) for spec in args.runs.split(",")] if args.runs else None
@@ -106,7 +110,14 @@ def main() -> int:
         overrides += ["--diloco.outer_momentum", str(args.outer_momentum)]
     steady = (H, args.steps - H)  # from the end of round 1 to the start of the last round
     rows = {}
-    with WanTopology(["coordinator", *names], args.profile) as wan, tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        work = contextlib.nullcontext(tempfile.mkdtemp(prefix="utilisation-", dir=args.keep))
+    else:
+        work = tempfile.TemporaryDirectory()
+    with WanTopology(["coordinator", *names], args.profile) as wan, work as tmp:
+        if args.keep:
+            print(f"run directories under {tmp}", flush=True)
         print(wan.describe(), flush=True)
         # Communication off: the same processes in the same namespaces, no --join.
         solo = LocalCluster(Path(tmp) / "solo", args.config, overrides, wan=wan)
