@@ -12,67 +12,82 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if hasattr(p, "to_local") else p.data for p in model.parameters()]
 
 
-def split_evenly(sizes: list[int], parts: int) -> list[range]:
-    """`parts` contiguous runs of parameter indices (the fragments of streaming DiLoCo: consecutive
-    parameters, i.e. whole layers, together) whose largest element count is as small as it can be:
-    each fragment's all-reduce has the same window, so the largest one sets the rate the link must
-    carry. Binary search on that largest count, each guess checked greedily: O(n log total)."""
-    n = len(sizes)
-    if parts >= n:  # a parameter each, then empty fragments
-        return [range(min(k, n), min(k + 1, n)) for k in range(parts)]
+# A fragment of the outer params: (parameter index, first element, end) runs over flattened parameters.
+Piece = tuple[int, int, int]
 
-    def cuts(cap: int) -> list[int] | None:
-        """Starts of `parts` non-empty runs of at most `cap` elements each (then n), or None."""
-        bounds, load = [0], 0
-        for i, size in enumerate(sizes):  # cap is never below the largest size: every item fits a run
-            if i > bounds[-1] and load + size > cap:
-                bounds.append(i)
-                load = 0
-                if len(bounds) > parts:
-                    return None
-            load += size
-            if n - (i + 1) == parts - len(bounds) > 0:  # as many items left as runs to open: one each
-                return bounds + list(range(i + 1, n + 1))
-        return bounds + [n] if len(bounds) == parts else None
 
-    low, high = max(sizes), sum(sizes)
-    while low < high:
-        mid = (low + high) // 2
-        if cuts(mid) is None:
-            low = mid + 1
-        else:
-            high = mid
-    bounds = cuts(low)
-    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
+def split_evenly(sizes: list[int], parts: int) -> list[list[Piece]]:
+    """`parts` fragments (streaming DiLoCo) of equal element counts, ±1: the parameters laid end to end
+    in order and cut into consecutive runs, a cut falling inside a parameter where it must. Every
+    fragment's all-reduce gets the same window, so the largest sets the rate the link must carry; cut
+    at parameter boundaries, one big tensor (an embedding) would make its fragment the largest."""
+    total = sum(sizes)
+    bounds = [total * k // parts for k in range(parts + 1)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [[(i, max(lo, start) - start, min(hi, start + size) - start)
+             for i, (start, size) in enumerate(zip(starts, sizes)) if max(lo, start) < min(hi, start + size)]
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements lo:hi of a tensor, flattened: a view (writes reach the tensor) when it is contiguous."""
+    return t.reshape(-1)[lo:hi]
+
+
+def _write(shard: torch.Tensor, lo: int, hi: int, value: torch.Tensor) -> None:
+    """shard's elements lo:hi ← value (fp32, CPU), in the shard's own device and dtype."""
+    value = value.to(device=shard.device, dtype=shard.dtype)
+    if shard.is_contiguous():
+        shard.view(-1)[lo:hi].copy_(value)
+    else:  # a strided local shard: reshape would copy, so write the whole tensor back
+        flat = shard.reshape(-1).clone()
+        flat[lo:hi] = value
+        shard.copy_(flat.view_as(shard))
 
 
 class OuterOptimizer:
     """Outer params (fp32, CPU) and Nesterov SGD over them, for this rank's shards; `fragments` cuts the
-    parameters into runs that can be synchronised one at a time (streaming DiLoCo; 1: all at once)."""
+    parameters into runs that can be synchronised one at a time (streaming DiLoCo; 1: all at once).
+    The step is torch's SGD (dampening 0) written out, so that it can update part of a parameter."""
 
     def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float, fragments: int = 1) -> None:
-        self.outer = [s.detach().float().cpu().clone() for s in shards]
+        # Contiguous, so a fragment's elements are views the step updates in place.
+        self.outer = [s.detach().float().cpu().clone(memory_format=torch.contiguous_format) for s in shards]
         self.sizes = [t.numel() for t in self.outer]
         self.fragments = split_evenly(self.sizes, fragments)
-        self.optimizer = torch.optim.SGD(self.outer, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.lr, self.momentum = lr, momentum
+        self.buffers = [torch.zeros_like(o) for o in self.outer]  # momentum; zeros: torch's first step too
+        self._all = [(i, 0, n) for i, n in enumerate(self.sizes)]
 
-    def _params(self, fragment: int | None) -> range:
-        return range(len(self.outer)) if fragment is None else self.fragments[fragment]
+    def _pieces(self, fragment: int | None) -> list[Piece]:
+        return self._all if fragment is None else self.fragments[fragment]
+
+    def _split(self, flat: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
+        return list(flat.split([hi - lo for _, lo, hi in pieces]))
+
+    def _direction(self, i: int, lo: int, hi: int, g: torch.Tensor, keep: bool) -> torch.Tensor:
+        """What the step subtracts, × lr; keep: the momentum buffer moves too (else it is left alone)."""
+        mu = self.momentum
+        if mu == 0:
+            return g
+        buf = _flat(self.buffers[i], lo, hi)
+        buf = buf.mul_(mu).add_(g) if keep else buf.mul(mu).add_(g)
+        return g.add(buf, alpha=mu)  # Nesterov
 
     def pseudo_gradient(self, shards: list[torch.Tensor], fragment: int | None = None) -> torch.Tensor:
-        """outer − inner over the fragment's parameters (all by default), flattened: one collective."""
-        index = self._params(fragment)
-        if not index:
+        """outer − inner over the fragment (everything by default), flattened: one collective."""
+        pieces = self._pieces(fragment)
+        if not pieces:
             return torch.zeros(0)
-        return torch.cat([(self.outer[i] - shards[i].detach().float().cpu()).reshape(-1) for i in index])
+        return torch.cat([_flat(self.outer[i], lo, hi) - _flat(shards[i].detach(), lo, hi).float().cpu()
+                          for i, lo, hi in pieces])
 
     def apply(self, mean_pseudo_gradient: torch.Tensor, fragment: int | None = None) -> None:
         """The outer Nesterov step on the fragment's outer params only (the model is not touched)."""
-        index = self._params(fragment)
-        for i, g in zip(index, mean_pseudo_gradient.split([self.sizes[i] for i in index])):
-            self.outer[i].grad = g.view_as(self.outer[i]).clone()
-        self.optimizer.step()  # parameters without a gradient (other fragments) are left alone
-        self.optimizer.zero_grad(set_to_none=True)
+        pieces = self._pieces(fragment)
+        with torch.no_grad():
+            for (i, lo, hi), g in zip(pieces, self._split(mean_pseudo_gradient, pieces)):
+                _flat(self.outer[i], lo, hi).add_(self._direction(i, lo, hi, g, keep=True), alpha=-self.lr)
 
     def step(self, mean_pseudo_gradient: torch.Tensor, shards: list[torch.Tensor]) -> None:
         self.apply(mean_pseudo_gradient)
@@ -86,38 +101,29 @@ class OuterOptimizer:
 
     def snapshot(self, shards: list[torch.Tensor], fragment: int | None = None) -> list[torch.Tensor]:
         """fp32 CPU copies of the fragment's inner shards (where an overlapped outer step was launched)."""
-        return [shards[i].detach().float().cpu().clone() for i in self._params(fragment)]
+        return [_flat(shards[i].detach(), lo, hi).float().cpu().clone() for i, lo, hi in self._pieces(fragment)]
 
     def eager_step(self, shards: list[torch.Tensor], pseudo_gradient: torch.Tensor, fragment: int | None) -> None:
         """The fragment's inner shards ← the outer params after an outer step taken with this node's own
         pseudo-gradient standing in for the average (eager updates: what a node resumes from while the
         real average is in flight; the outer params and momentum themselves are not changed)."""
-        group = self.optimizer.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        index = self._params(fragment)
+        pieces = self._pieces(fragment)
         with torch.no_grad():
-            for i, g in zip(index, pseudo_gradient.split([self.sizes[i] for i in index])):
-                o, g = self.outer[i], g.view_as(self.outer[i])
-                buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
-                buf = g if buf is None or mu == 0 else buf * mu + g  # torch's SGD, dampening 0
-                direction = g + mu * buf if nesterov else buf
-                s = shards[i]
-                s.copy_((o - lr * direction).view_as(s).to(device=s.device, dtype=s.dtype))
+            for (i, lo, hi), g in zip(pieces, self._split(pseudo_gradient, pieces)):
+                step = self.lr * self._direction(i, lo, hi, g, keep=False)
+                _write(shards[i], lo, hi, _flat(self.outer[i], lo, hi) - step)
 
     def merge(self, shards: list[torch.Tensor], launched_from: list[torch.Tensor], fragment: int | None) -> None:
         """The fragment's inner shards ← new outer params + the local progress made since the outer step
         was launched from `launched_from` (overlapped modes: nothing is thrown away while waiting)."""
         with torch.no_grad():
-            for i, start in zip(self._params(fragment), launched_from):
-                s = shards[i]
-                value = self.outer[i] + (s.detach().float().cpu() - start)
-                s.copy_(value.view_as(s).to(device=s.device, dtype=s.dtype))
+            for (i, lo, hi), start in zip(self._pieces(fragment), launched_from):
+                local = _flat(shards[i].detach(), lo, hi).float().cpu()
+                _write(shards[i], lo, hi, _flat(self.outer[i], lo, hi) + (local - start))
 
     def state_tensor(self) -> torch.Tensor:
         """Outer params then momentum buffers, flat: what a joiner needs."""
-        momentum = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
-        flat = [o.reshape(-1) for o in self.outer]
-        flat += [(m if m is not None else torch.zeros_like(o)).reshape(-1) for m, o in zip(momentum, self.outer)]
+        flat = [o.reshape(-1) for o in self.outer] + [b.reshape(-1) for b in self.buffers]
         return torch.cat(flat) if flat else torch.zeros(0)
 
     def load_state_tensor(self, state: torch.Tensor) -> None:
@@ -125,8 +131,8 @@ class OuterOptimizer:
         with torch.no_grad():
             for o, piece in zip(self.outer, state[:total].split(self.sizes)):
                 o.copy_(piece.view_as(o))
-            for o, piece in zip(self.outer, state[total:].split(self.sizes)):
-                self.optimizer.state[o]["momentum_buffer"] = piece.view_as(o).clone()
+            for b, piece in zip(self.buffers, state[total:].split(self.sizes)):
+                b.copy_(piece.view_as(b))
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=32)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import itertools
 import random
 
 import pytest
@@ -108,44 +107,51 @@ def test_adam_moments_move_to_another_optimizer_and_step_identically():
 
 
 def test_fragments_cover_every_parameter_once_and_step_alone():
-    assert split_evenly([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
-    assert split_evenly([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
-    assert split_evenly([5], 3) == [range(0, 1), range(1, 1), range(1, 1)]
-    # A cut at the first half-way point left everything in one fragment here (17 of 17 elements).
-    assert split_evenly([2, 2, 2, 2, 9], 2) == [range(0, 4), range(4, 5)]
+    assert split_evenly([10, 10, 10, 10], 2) == [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10), (3, 0, 10)]]
+    # One big tensor is cut, not left to make its fragment the largest.
+    assert split_evenly([100, 1, 1, 1], 2) == [[(0, 0, 51)], [(0, 51, 100), (1, 0, 1), (2, 0, 1), (3, 0, 1)]]
+    assert split_evenly([2], 3) == [[], [(0, 0, 1)], [(0, 1, 2)]]  # fewer elements than fragments: empty ones
     torch.manual_seed(0)
-    inner = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2), torch.randn(5)]
+    inner = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2).t(), torch.randn(5)]  # one of them strided
     outer = OuterOptimizer(inner, lr=0.7, momentum=0.9, fragments=2)
-    assert [list(r) for r in outer.fragments] == [[0], [1, 2, 3]]  # 12 | 16 elements
+    assert outer.fragments == [[(0, 0, 12), (1, 0, 2)], [(1, 2, 7), (2, 0, 4), (3, 0, 5)]]  # 14 | 14 elements
     before = [o.clone() for o in outer.outer]
     moved = [t + 0.1 for t in inner]
     pseudo = outer.pseudo_gradient(moved, fragment=1)
-    assert pseudo.numel() == 7 + 4 + 5 and torch.allclose(pseudo, torch.full_like(pseudo, -0.1))
+    assert pseudo.numel() == 5 + 4 + 5 and torch.allclose(pseudo, torch.full_like(pseudo, -0.1))
     outer.apply(pseudo, fragment=1)
-    assert all(torch.equal(a, b) for a, b in zip(outer.outer[:1], before[:1]))  # fragment 0 untouched
-    assert all(not torch.equal(a, b) for a, b in zip(outer.outer[1:], before[1:]))
-    assert all(o not in outer.optimizer.state or not outer.optimizer.state[o] for o in outer.outer[:1])
+    assert torch.equal(outer.outer[0], before[0])  # fragment 0 untouched, to the element
+    assert torch.equal(outer.outer[1][:2], before[1][:2]) and not torch.equal(outer.outer[1][2:], before[1][2:])
+    assert all(not torch.equal(a, b) for a, b in zip(outer.outer[2:], before[2:]))
+    assert not outer.buffers[0].any() and not outer.buffers[1][:2].any() and outer.buffers[1][2:].all()
+    # The same step as one fragment of everything: element for element what torch's SGD does.
+    reference = [o.clone().requires_grad_() for o in before]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for r, full in zip(reference, [torch.zeros(12), torch.cat([torch.zeros(2), pseudo[:5]]), pseudo[5:9], pseudo[9:]]):
+        r.grad = full.view_as(r).clone()
+    sgd.step()
+    assert all(torch.equal(o, r.detach()) for o, r in zip(outer.outer[1:], reference[1:]))
     # Merging keeps the progress made since launch on top of the new outer params, fragment by fragment.
     launched = outer.snapshot(moved, fragment=1)
     later = [t + 0.05 for t in moved]
     outer.merge(later, launched, fragment=1)
-    for i in (1, 2, 3):
-        assert torch.allclose(later[i], outer.outer[i] + 0.05, atol=1e-6)
-    assert torch.allclose(later[0], moved[0] + 0.05)  # other fragments keep their local weights
+    assert torch.allclose(later[1][2:], outer.outer[1][2:] + 0.05, atol=1e-6)
+    for i in (2, 3):
+        assert torch.allclose(later[i], outer.outer[i].view_as(later[i]) + 0.05, atol=1e-6)
+    assert torch.allclose(later[0], moved[0] + 0.05) and torch.allclose(later[1][:2], moved[1][:2] + 0.05)
 
 
-def test_fragments_have_the_smallest_largest_fragment_possible():
-    """Every fragment gets the same window, so the largest sets the rate the link must carry: checked
-    against every way to cut small random models."""
+def test_fragments_are_equal_to_one_element_and_cover_everything_in_order():
+    """Every fragment gets the same window, so the largest sets the rate the link must carry."""
     rng = random.Random(0)
     for _ in range(200):
-        sizes = [rng.choice([1, 3, 64, 200, 257]) for _ in range(rng.randint(2, 9))]
-        parts = rng.randint(2, len(sizes))
+        sizes = [rng.choice([1, 3, 64, 200, 257]) for _ in range(rng.randint(1, 9))]
+        parts = rng.randint(1, 12)
         fragments = split_evenly(sizes, parts)
-        assert [i for r in fragments for i in r] == list(range(len(sizes))) and all(fragments)
-        best = min(max(sum(sizes[a:b]) for a, b in zip((0, *cut), (*cut, len(sizes))))
-                   for cut in itertools.combinations(range(1, len(sizes)), parts - 1))
-        assert max(sum(sizes[i] for i in r) for r in fragments) == best, (sizes, parts)
+        counts = [sum(hi - lo for _, lo, hi in f) for f in fragments]
+        assert max(counts) - min(counts) <= 1 and sum(counts) == sum(sizes), (sizes, parts)
+        flat = [(i, e) for f in fragments for i, lo, hi in f for e in range(lo, hi)]
+        assert flat == [(i, e) for i, size in enumerate(sizes) for e in range(size)], (sizes, parts)
 
 
 def test_eager_step_is_the_outer_step_the_average_would_give_if_it_were_this_node_s():
