@@ -10,6 +10,8 @@ round of `delayed` waits for its own all-reduce so the run ends on the average).
 mode's final eval loss (equal tokens), the largest transfer of one outer step with the rate it needs
 to stay hidden (its bytes / the compute time it overlaps), and the peak rate on the wire: the most any
 node's link delivered to it in any 1 s of the steady state (sampled every 0.25 s), against blocking's.
+`steps share`: the share of the steady state's wall time the inner steps themselves took (the rest:
+waiting for outer steps), which does not drift with the machine's speed between passes.
 `--paces 0,0.8` runs each overlapped mode once per diloco.pace (its all-reduces spread over that
 fraction of their window; 0: at the link's rate). `--overlaps 0,20` runs each overlapped mode once
 per diloco.overlap_steps τ as well (0: H for delayed, H/F for streaming; under H, delayed applies the
@@ -47,6 +49,18 @@ def tokens_per_s(cluster: LocalCluster, names: list[str], first: int = 0, last: 
         total += steps[-1]["tokens"] - steps[0]["tokens"]
         spans.append(steps[-1]["time"] - steps[0]["time"])
     return total / max(spans)
+
+
+def compute_share(cluster: LocalCluster, names: list[str], first: int, last: int) -> float:
+    """The share of wall time the inner steps themselves took between inner steps first and last, per
+    node, averaged: the rest went to waiting for outer steps. Unlike the ratio to the communication-off
+    pass it does not move with the machine's speed between passes, but it cannot see compute slowed by
+    the background transfers (their threads share the cores)."""
+    shares = []
+    for name in names:
+        steps = [r for r in cluster.metrics(name) if "loss" in r and first < r["step"] <= last]
+        shares.append(sum(r["step_s"] for r in steps) / (steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"]))
+    return sum(shares) / len(shares)
 
 
 def run_spec(spec: str) -> tuple[str, float, int]:
@@ -162,6 +176,7 @@ def main() -> int:
                 window = (next(r["time"] for r in steps if r["step"] >= steady[0]),
                           next(r["time"] for r in steps if r["step"] >= steady[1]))
                 rows[label] = {"rate": rate, "steady": tokens_per_s(c, names, *steady),
+                              "share": compute_share(c, names, *steady),
                               "eval": final_eval(c, "node0"), "outer_steps": len(outer),
                               "allreduce_s": sum(r["allreduce_s"] for r in outer),
                               "waited_s": sum(r["outer_s"] for r in outer), "largest_mb": largest / 1e6,
@@ -171,19 +186,20 @@ def main() -> int:
                               "kernel": f"{sum(1 for r in outer if r.get('kernel_paced'))}/{len(outer)}"}
                 row = rows[label]
                 print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
-                      f"(steady {row['steady'] / solo_steady:.1%}), eval loss {row['eval']:.4f}", flush=True)
+                      f"(steady {row['steady'] / solo_steady:.1%}, inner steps {row['share']:.1%} of the time), "
+                      f"eval loss {row['eval']:.4f}", flush=True)
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
           f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
           f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; "
           + (f"runs {args.runs}; " if chosen else f"paces {args.paces}; overlaps {args.overlaps} ")
           + "(τ 0: H for delayed, H/F for streaming); "
           f"steady state = inner steps {steady[0]}-{steady[1]}")
-    print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'all-reduce s':>14}{'waited s':>10}"
+    print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'steps share':>13}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
           f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
-        print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}"
+        print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}{row['share']:>13.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
               f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}")
