@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.codecs import BLOCK, Codec
-from elastic_mesh.pacing import (MAX_SPREAD_S, MIN_SPREAD_S, OUTSTANDING_KERNEL_PACED, Pacer, PiecewiseSend,
-                                 piece_bytes, pieces)
+from elastic_mesh.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
 from elastic_mesh.socket_pacing import GroupSockets
 from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
 
@@ -325,8 +324,6 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 
     try:
         kernel_paced = cap(pace) if capped else 0
-        if pacer is not None and kernel_paced == len(bounds) * (world - 1):  # every connection: see pacing.py
-            pacer.outstanding = OUTSTANDING_KERNEL_PACED
         threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"all-reduce-stripe-{i}")
                    for i in range(1, len(bounds))]
         for t in threads:

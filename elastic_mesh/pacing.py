@@ -26,10 +26,6 @@ PIECE_SECONDS = 0.05  # a piece takes about this long at the paced rate: smooth 
 # has posted its receive, so a receiver that gets to a phase late (or a connection that stalls after
 # a loss) would otherwise release every piece queued meanwhile at once, at the link's rate.
 OUTSTANDING = 2
-# When the kernel paces every connection (socket_pacing.py) a released queue leaves at the kernel's
-# cap, not at the link's rate, so more may wait: a receiver slow by up to ~0.4 s (a busy machine's
-# scheduling) then no longer stalls the sender, which would have to make the time up later.
-OUTSTANDING_KERNEL_PACED = 8
 # The most a pacer behind its deadline speeds up to, as a multiple of its planned rate: enough to
 # make up a pause of a third of the spread, still far from a burst at the link's rate.
 CATCH_UP = 1.5
@@ -53,7 +49,6 @@ class Pacer:
         self._end = self._next + total_bytes / bytes_per_s if total_bytes > 0 else None
         self._on_rate = on_rate
         self._lock = threading.Lock()
-        self.outstanding = OUTSTANDING  # pieces a sender may post ahead of the ones seen leaving
 
     def take(self, nbytes: int) -> None:
         """Waits until `nbytes` more may go out."""
@@ -108,11 +103,9 @@ class PiecewiseSend:
         def run() -> None:
             try:
                 for i, view in enumerate(views):
-                    ahead = pacer.outstanding  # see OUTSTANDING: a late receiver releases at most this many at once
-                    if i >= ahead and self._waited <= i - ahead:
-                        for work in self._works[self._waited:i - ahead + 1]:
-                            wait_for(work)
-                        self._waited = i - ahead + 1
+                    if i >= OUTSTANDING:  # see OUTSTANDING: a late receiver releases a burst of at most this many
+                        wait_for(self._works[i - OUTSTANDING])
+                        self._waited = i - OUTSTANDING + 1
                     pacer.take(view.numel())
                     self._works.append(post(view))
             except BaseException as e:  # re-raised by wait(), in the caller's thread

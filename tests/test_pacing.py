@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.pacing import CATCH_UP, OUTSTANDING, OUTSTANDING_KERNEL_PACED, Pacer, PiecewiseSend
+from elastic_mesh.pacing import CATCH_UP, OUTSTANDING, Pacer, PiecewiseSend
 
 
 class _HeldBackTransport:
@@ -33,18 +33,12 @@ class _HeldBackTransport:
         assert self.left[work].wait(10), "waited for a piece that never left"
 
 
-@pytest.mark.parametrize("kernel_paced", [False, True])
-def test_a_late_receiver_releases_at_most_the_outstanding_pieces_at_once(kernel_paced):
-    """With the kernel pacing the connections (collectives.py sets it) more pieces may wait: released,
-    they leave at the kernel's cap."""
+def test_a_late_receiver_releases_at_most_the_outstanding_pieces_at_once():
     transport = _HeldBackTransport()
     buffer = torch.zeros(100 * 1024, dtype=torch.uint8)
-    pacer = Pacer(10e6)
-    if kernel_paced:
-        pacer.outstanding = OUTSTANDING_KERNEL_PACED
-    send = PiecewiseSend(transport.post, transport.wait_for, buffer, 10 * 1024, pacer, name="test")
+    send = PiecewiseSend(transport.post, transport.wait_for, buffer, 10 * 1024, Pacer(10e6), name="test")
     time.sleep(0.3)  # at 10 MB/s every piece would have been posted by now: the receiver is what holds them
-    assert len(transport.posted) == (OUTSTANDING_KERNEL_PACED if kernel_paced else OUTSTANDING)
+    assert len(transport.posted) == OUTSTANDING
     for event in transport.left:  # the receiver shows up: the held pieces go, and the pacer sets the rest
         event.set()
     deadline = time.monotonic() + 5
