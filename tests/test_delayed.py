@@ -103,6 +103,12 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
         assert seconds[len(seconds) // 2] > 0.25, seconds
         # ... and the kernel paced both of each node's connections (one per peer) as well as the bucket.
         assert all(records[k]["kernel_paced"] == 2 for k in range(4, 18)), [records[k]["kernel_paced"] for k in records]
+        # Where each outer step's time went: the transfer holds the all-reduce, the rest is coordination.
+        for k in range(1, 18):
+            timings = records[k]["timings"]
+            assert set(timings) == {"plan_s", "transfer_s", "vote_s", "queued_s", "settle_s"}, timings
+            assert min(timings.values()) >= 0 and timings["transfer_s"] >= records[k]["allreduce_s"], (k, timings)
+            assert records[k]["exchange_s"] >= timings["plan_s"] + timings["transfer_s"] + timings["vote_s"] - 0.01
         # The last outer step closes every fragment at once: the run ends on an average of all its work.
         assert records[18]["fragment"] is None and records[18]["bytes_sent"] > 0.9 * sum(sent), records[18]
         losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]
