@@ -56,7 +56,8 @@ class OuterOptimizer:
         self.sizes = [t.numel() for t in self.outer]
         self.fragments = split_evenly(self.sizes, fragments)
         self.lr, self.momentum = lr, momentum
-        self.buffers = [torch.zeros_like(o) for o in self.outer]  # momentum; zeros: torch's first step too
+        # Momentum, zeros to start (what torch's first step amounts to); none at momentum 0, like torch.
+        self.buffers = [torch.zeros_like(o) for o in self.outer] if momentum > 0 else []
         self._all = [(i, 0, n) for i, n in enumerate(self.sizes)]
 
     def _pieces(self, fragment: int | None) -> list[Piece]:
@@ -123,7 +124,8 @@ class OuterOptimizer:
 
     def state_tensor(self) -> torch.Tensor:
         """Outer params then momentum buffers, flat: what a joiner needs."""
-        flat = [o.reshape(-1) for o in self.outer] + [b.reshape(-1) for b in self.buffers]
+        momentum = self.buffers or [torch.zeros_like(o) for o in self.outer]  # the same layout at momentum 0
+        flat = [o.reshape(-1) for o in self.outer] + [b.reshape(-1) for b in momentum]
         return torch.cat(flat) if flat else torch.zeros(0)
 
     def load_state_tensor(self, state: torch.Tensor) -> None:
