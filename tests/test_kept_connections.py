@@ -3,6 +3,7 @@ loopback that counts the TCP connections it accepted."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,38 +57,36 @@ class CountingServer(ThreadingHTTPServer):
         self.server_close()
 
 
-def test_requests_in_turn_share_one_connection_even_after_an_error_status():
-    server = CountingServer()
-    kept = KeptConnections(timeout_s=5)
+@contextlib.contextmanager
+def served(**server_options):
+    server, kept = CountingServer(**server_options), KeptConnections(timeout_s=15)
     try:
+        yield server, kept
+    finally:
+        kept.close()
+        server.close()
+
+
+def test_requests_in_turn_share_one_connection_even_after_an_error_status():
+    with served() as (server, kept):
         for i in range(5):
             assert kept.request(server.address, "GET", f"/{i}") == (200, f"/{i} 200".encode())
         assert kept.request(server.address, "GET", "/missing") == (404, b"/missing 404")
         assert kept.request(server.address, "GET", "/after") == (200, b"/after 200")
         assert server.connections == 1
-    finally:
-        kept.close()
-        server.close()
 
 
 def test_a_connection_the_server_closed_while_idle_is_replaced_without_an_error():
-    server = CountingServer(idle_timeout_s=0.2)
-    kept = KeptConnections(timeout_s=5)
-    try:
+    with served(idle_timeout_s=0.2) as (server, kept):
         assert kept.request(server.address, "GET", "/a")[0] == 200
         time.sleep(0.6)  # the server's handler gave up on the idle connection and closed it
         assert kept.request(server.address, "GET", "/b") == (200, b"/b 200")
         assert server.connections == 2
-    finally:
-        kept.close()
-        server.close()
 
 
 def test_requests_in_flight_at_once_each_hold_their_own_connection():
-    server = CountingServer(wait_for=3)  # no answer until three requests are in: one connection could not
-    kept = KeptConnections(timeout_s=15)
     answers = []
-    try:
+    with served(wait_for=3) as (server, kept):  # no answer until three requests are in: one connection could not
         threads = [threading.Thread(target=lambda: answers.append(kept.request(server.address, "GET", "/together")))
                    for _ in range(3)]
         for t in threads:
@@ -99,9 +98,6 @@ def test_requests_in_flight_at_once_each_hold_their_own_connection():
         for _ in range(6):  # the three are kept and reused, by any thread
             kept.request(server.address, "GET", "/again")
         assert server.connections == 3
-    finally:
-        kept.close()
-        server.close()
 
 
 def test_an_unreachable_server_raises_after_one_fresh_attempt():
