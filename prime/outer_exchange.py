@@ -62,16 +62,16 @@ class InFlight:
         committed: this step's report starts where that one's ends."""
         def target() -> None:
             try:
-                queued = time.perf_counter()
+                waiting_since = time.perf_counter()
                 if after is not None:
                     previous = after.settled()
                     if previous is None or previous.status != "applied":
                         self._exchange = Exchange(self.step, "skipped")
                         return
                     self.withheld = after.left_reading_uncommitted()
-                queued = time.perf_counter() - queued
+                queued_s = time.perf_counter() - waiting_since
                 self._exchange = run(self.withheld)
-                self._exchange.timings["queued_s"] = queued
+                self._exchange.timings["queued_s"] = queued_s
             except BaseException as e:  # re-raised in the training thread, which owns the node's fate
                 self._error = e
         self._thread = threading.Thread(target=target, daemon=True, name=f"outer-step-{self.step}")
@@ -123,9 +123,8 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
     pseudo-gradient goes into a retry with the survivors) or says this node is out of it. Does not
     touch the model or the outer params: safe in a background thread (with mesh.background_view()).
     spread_until: pace the all-reduce's sends to end about then (time.monotonic()) rather than burst."""
-    started = time.perf_counter()
+    started = clock = time.perf_counter()
     timings = {"plan_s": 0.0, "transfer_s": 0.0, "vote_s": 0.0}
-    clock = time.perf_counter()
 
     def lap(name: str) -> None:
         nonlocal clock
