@@ -146,6 +146,8 @@ class Heartbeat:
                 self.client.post("/v1/heartbeat", {"telemetry": records}, retry=False)
             except CoordinatorError as e:
                 self.telemetry.put_back(records)
+                if self._stop.is_set():
+                    return  # a request that outlived its session (e.g. across a partition): not news
                 if e.status in (401, 410):
                     self.lost = str(e)
                     log.warning("coordinator dropped this node: %s", e)
