@@ -234,6 +234,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
                     contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None, links: LinkEstimates | None = None,
                     peers: list[str] | None = None, spread_s: float | None = None,
+                    finish_s: float | None = None,
                     sockets: list[GroupSockets | None] | None = None) -> AllReduceResult:
     """Mean of `x` over the members whose `contributes` is true and whose tensor passes the header check.
 
@@ -245,6 +246,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     spread_s: pace the sends so that they take about this long in all (elastic_mesh/pacing.py) rather
     than going at the link's rate; a slower link still takes as long as it takes. Members agree on the
     longest spread any of them asks for: the all-reduce ends with its slowest sender anyway.
+    finish_s: this member's own limit, if later than the spread (slack before anyone waits for the
+    result): a sender behind the spread's schedule speeds up only as much as it must to end by it.
     sockets: each group's TCP connections, where known (socket_pacing.py): a paced all-reduce has the
     kernel pace them too, so the bytes leave evenly within each piece and after a stall.
     """
@@ -301,7 +304,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 
     def cap(rate: float | None) -> int:
         return sum(s.pace(None if rate is None else rate / len(bounds)) for s in capped)
-    pacer = Pacer(pace, to_send, on_rate=cap) if pace else None
+    pacer = Pacer(pace, to_send, on_rate=cap, end_s=finish_s) if pace else None
 
     def run(i: int) -> None:
         def after_scatter() -> None:

@@ -34,19 +34,22 @@ CATCH_UP = 1.5
 class Pacer:
     """Token bucket without a burst allowance, shared by every send of one member's all-reduce.
 
-    Given the bytes it will pace in all, it also keeps to the deadline its rate implies: time lost
-    to a receiver late to a phase, or to the pause between the phases, is made up by raising the rate
-    just enough to end on time, spread over the time left (never more than CATCH_UP × the planned
-    rate), not in a burst. `on_rate` hears every change of rate (the kernel's caps follow it)."""
+    Given the bytes it will pace in all, it also keeps to a deadline: the one its rate implies, or
+    `end_s` from now where the sender may end later than its plan (slack before anyone waits for
+    it). Time lost to a receiver late to a phase, or to the pause between the phases, is made up by
+    raising the rate just enough to end by the deadline, spread over the time left (never more than
+    CATCH_UP × the planned rate), not in a burst; with slack, lost time is first taken from the slack
+    and the rate stays the plan's. `on_rate` hears every change of rate (the kernel's caps follow it)."""
 
     def __init__(self, bytes_per_s: float, total_bytes: int = 0,
-                 on_rate: Callable[[float], None] | None = None) -> None:
+                 on_rate: Callable[[float], None] | None = None, end_s: float | None = None) -> None:
         if not bytes_per_s > 0:
             raise ValueError(f"a pace must be a positive rate, got {bytes_per_s} bytes/s")
         self.bytes_per_s = self.planned = bytes_per_s
         self._next = time.monotonic()
         self._left = total_bytes
-        self._end = self._next + total_bytes / bytes_per_s if total_bytes > 0 else None
+        planned_s = total_bytes / bytes_per_s
+        self._end = self._next + max(planned_s, end_s or 0.0) if total_bytes > 0 else None
         self._on_rate = on_rate
         self._lock = threading.Lock()
 

@@ -33,7 +33,7 @@ from prime.catch_up import CatchUp
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
 from prime.optim import adam_state_tensors
-from prime.outer_exchange import Exchange, InFlight, StepClock, exchange
+from prime.outer_exchange import Exchange, InFlight, Pace, StepClock, exchange
 from prime.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class DilocoHook(CatchUp):
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
+        self._tails: deque[float] = deque(maxlen=3)  # recent outer steps' vote + commit after the transfer
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
@@ -114,9 +115,9 @@ class DilocoHook(CatchUp):
         return None if step % self.config.inner_steps else self._round(trainer)
 
     def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
-                  contributes: bool = True, spread_until: float | None = None) -> Exchange:
+                  contributes: bool = True, pace: Pace | None = None) -> Exchange:
         return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor, self._fault(step),
-                        contributes, spread_until)
+                        contributes, pace)
 
     def _out_of_step(self, trainer, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
@@ -290,13 +291,13 @@ class DilocoHook(CatchUp):
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
                             apply_at=step + self.config.overlap)
         if not last:
-            spread_until = self._clock.deadline(self.config.pace * self.config.overlap)
+            pace = self._pace()
             after = self._inflight[-1] if self._inflight else None
 
             def decide(withhold: bool) -> Exchange:
                 return self._background_exchange(
                     self._background_mesh, outer_step, torch.zeros_like(pseudo) if withhold else pseudo,
-                    [] if withhold else data, contribute and not withhold, inner, fragment, spread_until)
+                    [] if withhold else data, contribute and not withhold, inner, fragment, pace)
             self._inflight.append(inflight.start(decide, after))
             return record
         # The last step: wait for this outer step and end on the outer model (the run's product, whose
@@ -309,12 +310,27 @@ class DilocoHook(CatchUp):
         self.outer.copy_to(shards)
         return self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
 
+    def _pace(self) -> Pace | None:
+        """diloco.pace: the all-reduce spread over that fraction of the inner steps between launches (or
+        of τ, if shorter: it must be applied by then), so its mean rate is what the cadence needs; what
+        is left of τ, less the time recent outer steps took to vote and commit after their transfer, is
+        slack a late transfer uses before it speeds up (streaming with τ over H/F has the most)."""
+        if not self.config.pace:
+            return None
+        spread_s = self._clock.seconds(self.config.pace * min(self.config.overlap, self.config.sync_period))
+        window_s = self._clock.seconds(self.config.overlap)
+        if spread_s is None or window_s is None:
+            return None
+        tail_s = max(self._tails) if self._tails else 1.0
+        now = time.monotonic()
+        return Pace(spread_s, now + max(spread_s, window_s - tail_s))
+
     def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                              contribute: bool, inner: dict | None, fragment: int,
-                             spread_until: float | None = None) -> Exchange:
+                             pace: Pace | None = None) -> Exchange:
         """An overlapped outer step: decided, applied to the fragment's outer params (not the model),
         committed and served to peers, all while the inner steps go on."""
-        exchange = self._exchange(mesh, step, pseudo, data, contribute, spread_until)
+        exchange = self._exchange(mesh, step, pseudo, data, contribute, pace)
         decided = time.perf_counter()
         if exchange.status == "applied":
             self.outer.apply(exchange.result.mean, fragment)
@@ -330,6 +346,7 @@ class DilocoHook(CatchUp):
 
     def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
         self.outer_step = exchange.step
+        self._tails.append(exchange.timings.get("vote_s", 0.0) + exchange.timings.get("settle_s", 0.0))
         if exchange.contributed:
             self._settle_data(trainer, "committed")  # to the mark: the reading the outer step averaged
             self.tokens_contributed += inflight.tokens

@@ -30,10 +30,12 @@ class DilocoConfig(BaseModel):
                                                     "several fragments are in flight at once, decided one after "
                                                     "another (see README).")
     pace: float = Field(0.0, ge=0, le=1, description="delayed/streaming: spread an outer step's all-reduce over "
-                                                     "this fraction of the inner steps it runs behind (timed), "
-                                                     "so the link never sees a burst at its full rate; 0 sends "
-                                                     "at the link's rate. Too close to 1 and a slow step makes "
-                                                     "the inner steps wait.")
+                                                     "this fraction of the inner steps between launches (H/F "
+                                                     "for streaming; τ if shorter), timed, so the link never "
+                                                     "sees a burst at its full rate; 0 sends at the link's "
+                                                     "rate. A transfer behind its plan uses the rest of τ as "
+                                                     "slack before it speeds up; too close to 1 and a slow "
+                                                     "step makes the inner steps wait.")
     eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
                                           "outer step taken with this node's own pseudo-gradient in place of the "
                                           "average (eager updates), rather than from where the node stands.")

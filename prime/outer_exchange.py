@@ -39,6 +39,17 @@ class Exchange:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How an overlapped outer step spreads its all-reduce: at the rate that moves its bytes in
+    `spread_s`, and no faster than it must to end by `finish_by` (time.monotonic(): when the inner
+    steps would start waiting for it). A step that starts late (queued behind the one before, or a
+    slow plan) keeps the planned rate while the slack lasts, instead of compressing its spread."""
+
+    spread_s: float
+    finish_by: float
+
+
 class InFlight:
     """An overlapped outer step, decided in a background thread while the inner steps go on. Several may
     be in flight (streaming with an overlap over H/F steps); each is decided after the one before it
@@ -109,20 +120,20 @@ class StepClock:
             self._intervals.append(now - self._last)
         self._last = now
 
-    def deadline(self, steps: float) -> float | None:
-        """time.monotonic() about `steps` inner steps from now; None before any step was timed or for 0 steps."""
+    def seconds(self, steps: float) -> float | None:
+        """About how long `steps` inner steps take; None before any step was timed or for 0 steps."""
         if steps <= 0 or len(self._intervals) < 3:
             return None
-        return time.monotonic() + steps * statistics.median(self._intervals)
+        return steps * statistics.median(self._intervals)
 
 
 def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict], codec: Codec,
              outlier_factor: float, on_phase: Callable[[str], None] | None = None,
-             contributes: bool = True, spread_until: float | None = None) -> Exchange:
+             contributes: bool = True, pace: Pace | None = None) -> Exchange:
     """Takes part in outer step `step` until the coordinator applies it (after an abort the same
     pseudo-gradient goes into a retry with the survivors) or says this node is out of it. Does not
     touch the model or the outer params: safe in a background thread (with mesh.background_view()).
-    spread_until: pace the all-reduce's sends to end about then (time.monotonic()) rather than burst."""
+    pace: spread the all-reduce's sends (see Pace) rather than burst at the link's rate."""
     started = clock = time.perf_counter()
     timings = {"plan_s": 0.0, "transfer_s": 0.0, "vote_s": 0.0}
 
@@ -155,13 +166,14 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             pg = mesh.group(plan)
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
             names = [m["name"] for m in plan.members]
-            # A retry, or a plan that came late, has less time left: the pace is set from what remains
-            # (a spread too short to pace is ignored by the all-reduce's agreement on one).
-            spread_s = spread_until - time.monotonic() if spread_until is not None else None
+            # A retry, or a plan that came late, may have less time left than the spread: it spreads
+            # over what remains (a spread too short to pace is ignored by the all-reduce's agreement).
+            finish_s = pace.finish_by - time.monotonic() if pace is not None else None
+            spread_s = min(pace.spread_s, finish_s) if pace is not None else None
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
                                      outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
                                      links=mesh.links if mesh.config.ring_order == "measured" else None,
-                                     spread_s=spread_s,
+                                     spread_s=spread_s, finish_s=finish_s,
                                      sockets=mesh.group_sockets(plan.epoch) if mesh.config.kernel_pacing else None)
             if result.ring_changed and mesh.local_rank == 0:
                 log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))

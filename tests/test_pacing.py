@@ -77,6 +77,22 @@ def test_a_pacer_behind_its_deadline_makes_up_the_time_over_what_is_left():
     assert time.monotonic() - started >= 0.9 * 2 * 100_000 / (CATCH_UP * 1e6), "made up in a burst"
 
 
+def test_a_pacer_with_slack_keeps_its_planned_rate_until_the_slack_is_spent():
+    """The same pause with 0.5 s of slack after the planned 0.4 s: the lost 0.3 s come out of the slack,
+    so the rest goes at the plan's rate (no burst at all); with 0.1 s of slack it must speed up."""
+    for slack_s, expected in ((0.5, []), (0.1, [CATCH_UP * 1e6])):
+        rates = []
+        pacer = Pacer(1e6, total_bytes=400_000, on_rate=rates.append, end_s=0.4 + slack_s)
+        pacer.take(100_000)
+        time.sleep(0.3)
+        started = time.monotonic()
+        for _ in range(3):
+            pacer.take(100_000)
+        assert rates[:1] == expected, (slack_s, rates)
+        if not expected:
+            assert time.monotonic() - started >= 0.9 * 2 * 100_000 / 1e6, "did not keep the planned rate"
+
+
 def test_unpaced_sends_post_every_piece_at_once():
     transport = _HeldBackTransport()
     send = PiecewiseSend(transport.post, transport.wait_for, torch.zeros(50, dtype=torch.uint8), 16, None)
