@@ -177,13 +177,15 @@ class DilocoHook(CatchUp):
         return self._record(trainer, exchange, model_hash, time.perf_counter() - started)
 
     def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float,
-                fragment: int | None = 0) -> dict:
+                fragment: int | None = 0, lag: int | None = None) -> dict:
+        """lag: inner steps between the launch of an overlapped outer step and its application."""
         plan, result = exchange.plan, exchange.result
-        late = {"blocking": "", "delayed": " (applied one round late)" if self.config.overlap == self.config.inner_steps
-                else f" (applied {self.config.overlap} steps late)",
+        lag = self.config.overlap if lag is None else lag
+        late = {"blocking": "", "delayed": " (applied one round late)" if lag == self.config.inner_steps
+                else f" (applied {lag} steps late)",
                 "streaming": " (all fragments: the run's last)" if fragment is None else
                              f" (fragment {fragment + 1}/{self.config.fragment_count}, applied "
-                             f"{self.config.overlap} steps late)"}[self.config.mode]
+                             f"{lag} steps late)"}[self.config.mode]
         record = {"outer_step": exchange.step, "epoch": plan.epoch, "members": len(result.contributors),
                   "nodes": plan.world_size, "attempt": plan.attempt, "allreduce_s": round(result.seconds, 4),
                   "outer_s": round(waited_s, 4), "exchange_s": round(exchange.seconds, 4),
@@ -215,12 +217,13 @@ class DilocoHook(CatchUp):
 
     def _apply_inflight(self, trainer, started: float, due_at: int | None = None) -> tuple[str, dict | None]:
         """Applies the outer steps in flight that are due at inner step `due_at` (all of them: None), oldest
-        first. Returns ("ok" | "rewound" | "caught_up", the last record; earlier ones are written).
+        first; with diloco.apply_early, also those already decided, however few steps ago they went out.
+        Returns ("ok" | "rewound" | "caught_up", the last record; earlier ones are written).
         A step the peers refused (contributed nothing from this node) rewinds the reading since the last
         commit and drops the local progress; the steps after it went out without their reading, so they
         are waited for first and the rewind covers them too."""
         outcome, record = "ok", None
-        while self._inflight and (due_at is None or due_at >= self._inflight[0].apply_at):
+        while self._inflight and (due_at is None or due_at >= self._inflight[0].apply_at or self._decided_early()):
             inflight = self._inflight.popleft()
             exchange = inflight.wait()
             if exchange.status != "applied":
@@ -239,6 +242,11 @@ class DilocoHook(CatchUp):
             self._settle_data(trainer, "rewind")
             self.outer.copy_to(local_shards(self.model))
         return outcome, record
+
+    def _decided_early(self) -> bool:
+        """diloco.apply_early: the oldest step in flight is decided on every local rank (they must apply
+        at the same inner step: a failure sends them all into the same catch-up)."""
+        return self.config.apply_early and self.mesh.agree(self._inflight[0].decided())
 
     def _apply_all_inflight(self, trainer, record: dict | None, started: float) -> tuple[str, dict | None]:
         """_apply_inflight for every step in flight, due or not; `record` (not yet written) goes first."""
@@ -350,8 +358,10 @@ class DilocoHook(CatchUp):
         if exchange.contributed:
             self._settle_data(trainer, "committed")  # to the mark: the reading the outer step averaged
             self.tokens_contributed += inflight.tokens
-        record = self._record(trainer, exchange, exchange.model_hash, waited_s, inflight.fragment)
+        lag = trainer.step - (inflight.apply_at - self.config.overlap)
+        record = self._record(trainer, exchange, exchange.model_hash, waited_s, inflight.fragment, lag)
         record["in_flight"] = len(self._inflight)  # launched after it and still being decided
+        record["applied_after_steps"] = lag
         return record
 
     # ---- serving peers ---------------------------------------------------------------------------------

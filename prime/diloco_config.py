@@ -36,6 +36,11 @@ class DilocoConfig(BaseModel):
                                                      "rate. A transfer behind its plan uses the rest of τ as "
                                                      "slack before it speeds up; too close to 1 and a slow "
                                                      "step makes the inner steps wait.")
+    apply_early: bool = Field(False, description="delayed/streaming: apply an outer step as soon as it is decided "
+                                                 "(at the next inner step), τ (overlap_steps) being then the "
+                                                 "latest: the average lands fewer steps late where the link is "
+                                                 "fast enough, but at an inner step that depends on the network, "
+                                                 "so a run is no longer bit-reproducible.")
     eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
                                           "outer step taken with this node's own pseudo-gradient in place of the "
                                           "average (eager updates), rather than from where the node stands.")

@@ -95,6 +95,10 @@ class InFlight:
             self._thread.join()
         return None if self._error is not None else self._exchange
 
+    def decided(self) -> bool:
+        """The background thread is done (the decision is in, or deciding raised): wait() will not block."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def left_reading_uncommitted(self) -> bool:
         return self.withheld or (not self.rewound and not self._exchange.contributed)
 

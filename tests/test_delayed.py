@@ -19,8 +19,12 @@ def three_nodes_node1_faulty(c, fault: list[str], outer_steps: int) -> dict:
 
 
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
-    """2 nodes × 2 local ranks (the background thread's own local group), 2 TCP streams per peer pair."""
-    extra = [*DELAYED, "--data.parts_per_file", "2", "--mesh.streams_per_peer", "2"]
+    """2 nodes × 2 local ranks (the background thread's own local group), 2 TCP streams per peer pair;
+    each average applied as soon as it is decided (diloco.apply_early), which on loopback is a step or
+    two after its launch rather than a whole round of 5 (inner steps slowed to 0.2 s): the local ranks
+    must agree on the inner step at which they apply it."""
+    extra = [*DELAYED, "--data.parts_per_file", "2", "--mesh.streams_per_peer", "2", "--diloco.apply_early", "true",
+             "--chaos.step_delay_s", "0.2"]
     with cluster(tmp_path, corpus, 2, steps=30, nproc=2, extra=extra) as c:
         c.start_node("a")
         c.start_node("b")
@@ -28,7 +32,9 @@ def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
         assert_identical(c, ["a", "b"], range(1, 7))
         records = c.outer_records("a")
         assert sorted(records) == [1, 2, 3, 4, 5, 6] and all(r["members"] == 2 for r in records.values())
-        assert "applied one round late" in c.log("a")
+        lags = [records[k]["applied_after_steps"] for k in range(1, 6)]  # the 6th: the run's end waits for it
+        assert all(1 <= lag <= 5 for lag in lags) and min(lags) < 5, lags
+        assert f"applied {min(lags)} steps late" in c.log("a")
         # The run ends on the average: the last outer step is applied to the model too (both nodes' final
         # eval, on the same weights and data, is the same number).
         evals = [[r["eval_loss"] for r in c.metrics(n) if "eval_loss" in r][-1] for n in ("a", "b")]
@@ -63,6 +69,8 @@ def test_delayed_non_finite_round_is_refused_and_read_again(tmp_path, corpus):
         records = three_nodes_node1_faulty(c, ["--chaos.nan_at_outer_step", "2"], outer_steps=5)
         assert records[2]["refused"] == ["node1"] and records[2]["members"] == 2, records[2]
         assert records[4]["members"] == 3, records  # contributing again once healthy
+        assert "applied one round late" in c.log("node0")
+        assert all(records[k]["applied_after_steps"] == 5 for k in range(1, 5)), records
         losses = [r["loss"] for r in c.metrics("node1") if "loss" in r]
         assert all(loss == loss for loss in losses), losses  # a NaN never reached its weights
         assert_exactly_once(c, corpus)

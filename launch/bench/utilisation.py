@@ -17,11 +17,12 @@ fraction of their window; 0: at the link's rate). `--overlaps 0,20` runs each ov
 per diloco.overlap_steps τ as well (0: H for delayed, H/F for streaming; under H, delayed applies the
 average sooner; over H/F, several streaming fragments are in flight at once).
 `kernel-paced` counts the outer steps whose connections the kernel paced as well as the token bucket
-(mesh.kernel_pacing; only paced runs have any).
+(mesh.kernel_pacing; only paced runs have any). `lag`: the median inner steps between an overlapped
+outer step's launch and its application (τ, or fewer with diloco.apply_early: a run named with `:e`).
 INTELLECT-1: 83% globally, 96% in the US.
 
     python launch/bench/utilisation.py [--profile global] [--nodes 2] [--steps 150] [--inner-steps 25] [--paces 0,0.8] [--overlaps 0]
-    python launch/bench/utilisation.py --inner-steps 50 --steps 200 --runs blocking,streaming:p0.9,delayed:t25
+    python launch/bench/utilisation.py --inner-steps 50 --steps 200 --runs blocking,streaming:p0.9,delayed:t25,delayed:t20:e
 """
 
 from __future__ import annotations
@@ -63,23 +64,32 @@ def compute_share(cluster: LocalCluster, names: list[str], first: int, last: int
     return sum(shares) / len(shares)
 
 
-def run_spec(spec: str) -> tuple[str, float, int]:
-    """'delayed:p0.8:t25' -> ("delayed", 0.8, 25): a mode, its diloco.pace and diloco.overlap_steps."""
+def run_spec(spec: str) -> tuple[str, float, int, bool]:
+    """'delayed:p0.8:t25:e' -> ("delayed", 0.8, 25, True): a mode, its diloco.pace, diloco.overlap_steps
+    and diloco.apply_early (e)."""
     mode, *options = spec.strip().split(":")
     if mode not in ("blocking", "delayed", "streaming"):
         raise ValueError(f"--runs: {spec!r} does not start with blocking, delayed or streaming")
-    pace, tau = 0.0, 0
+    pace, tau, early = 0.0, 0, False
     for option in options:
         try:
             if option[:1] == "p":
                 pace = float(option[1:])
             elif option[:1] == "t":
                 tau = int(option[1:])
+            elif option == "e":
+                early = True
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"--runs: {option!r} in {spec!r} is neither pPACE nor tOVERLAP") from None
-    return mode, pace, tau
+            raise ValueError(f"--runs: {option!r} in {spec!r} is neither pPACE, tOVERLAP nor e") from None
+    return mode, pace, tau, early
+
+
+def median_lag(outer: list[dict]) -> float:
+    """Median inner steps between an overlapped outer step's launch and its application (nan: blocking)."""
+    lags = sorted(r["applied_after_steps"] for r in outer if "applied_after_steps" in r)
+    return lags[len(lags) // 2] if lags else float("nan")
 
 
 def final_eval(cluster: LocalCluster, name: str) -> float:
@@ -105,7 +115,8 @@ def main() -> int:
                              "H/F for streaming): one run each")
     parser.add_argument("--runs", default="",
                         help="instead of --modes/--paces/--overlaps, the runs themselves, comma-separated: "
-                             "MODE[:pPACE][:tOVERLAP], e.g. blocking,streaming:p0.9,delayed:p0.8:t25")
+                             "MODE[:pPACE][:tOVERLAP][:e], e.g. blocking,streaming:p0.9,delayed:p0.8:t25,delayed:t20:e "
+                             "(e: diloco.apply_early)")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     parser.add_argument("--keep", default="", metavar="DIR",
                         help="keep every run's directory (each node's metrics.jsonl and logs) under DIR "
@@ -149,16 +160,18 @@ def main() -> int:
         print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
         paces = [float(p) for p in args.paces.split(",")]
         overlaps = [int(t) for t in args.overlaps.split(",")]
-        runs = chosen or [(mode, pace, tau) for mode in args.modes.split(",")
+        runs = chosen or [(mode, pace, tau, False) for mode in args.modes.split(",")
                           for pace in (paces if mode != "blocking" else [0.0])
                           for tau in (overlaps if mode != "blocking" else [0])]
-        for mode, pace, tau in runs:
+        for mode, pace, tau, early in runs:
             label = mode if (len(paces) == 1 and not chosen) or mode == "blocking" else f"{mode} p{pace:g}"
             label += f" τ{tau or (H // args.fragments if mode == 'streaming' else H)}" \
                 if mode != "blocking" and (len(overlaps) > 1 or chosen) else ""
+            label += " early" if early else ""
             extra = ["--diloco.mode", mode, "--diloco.overlap_steps", str(tau)] if mode != "blocking" else []
             extra += ["--diloco.fragments", str(args.fragments)] if mode == "streaming" else []
             extra += ["--diloco.pace", str(pace)] if mode != "blocking" else []
+            extra += ["--diloco.apply_early", "true"] if early else []
             with LocalCluster(Path(tmp) / label.replace(" ", "-"), args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
                 c.start_nodes(names)
@@ -183,7 +196,8 @@ def main() -> int:
                               "hide_mbit": largest * 8 / 1e6 / (overlap * step_s) if overlap else float("nan"),
                               "peak_mbit": meter.peak_bytes_per_s(1.0, *window) * 8 / 1e6,
                               "mean_mbit": meter.mean_bytes_per_s(*window) * 8 / 1e6,
-                              "kernel": f"{sum(1 for r in outer if r.get('kernel_paced'))}/{len(outer)}"}
+                              "kernel": f"{sum(1 for r in outer if r.get('kernel_paced'))}/{len(outer)}",
+                              "lag": median_lag(outer[:-1])}
                 row = rows[label]
                 print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
                       f"(steady {row['steady'] / solo_steady:.1%}, inner steps {row['share']:.1%} of the time), "
@@ -196,13 +210,14 @@ def main() -> int:
           f"steady state = inner steps {steady[0]}-{steady[1]}")
     print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'steps share':>13}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
-          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}")
+          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}{'lag':>6}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
         print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}{row['share']:>13.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
-              f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}")
+              f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}"
+              f"{row['lag']:>6g}")
     return 0
 
 
