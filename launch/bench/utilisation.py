@@ -208,12 +208,12 @@ def main() -> int:
           + (f"runs {args.runs}; " if chosen else f"paces {args.paces}; overlaps {args.overlaps} ")
           + "(τ 0: H for delayed, H/F for streaming); "
           f"steady state = inner steps {steady[0]}-{steady[1]}")
-    print(f"{'mode':<20}{'util. (run)':>12}{'util. (steady)':>15}{'steps share':>13}{'all-reduce s':>14}{'waited s':>10}"
+    print(f"{'mode':<26}{'util. (run)':>12}{'util. (steady)':>15}{'steps share':>13}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
           f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}{'lag':>6}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
-        print(f"{mode:<20}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}{row['share']:>13.1%}"
+        print(f"{mode:<26}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}{row['share']:>13.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
               f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}"
