@@ -177,10 +177,9 @@ class DilocoHook(CatchUp):
         return self._record(trainer, exchange, model_hash, time.perf_counter() - started)
 
     def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float,
-                fragment: int | None = 0, lag: int | None = None) -> dict:
+                fragment: int | None = 0, lag: int = 0) -> dict:
         """lag: inner steps between the launch of an overlapped outer step and its application."""
         plan, result = exchange.plan, exchange.result
-        lag = self.config.overlap if lag is None else lag
         late = {"blocking": "", "delayed": " (applied one round late)" if lag == self.config.inner_steps
                 else f" (applied {lag} steps late)",
                 "streaming": " (all fragments: the run's last)" if fragment is None else
@@ -329,7 +328,7 @@ class DilocoHook(CatchUp):
         window_s = self._clock.seconds(self.config.overlap)
         if spread_s is None or window_s is None:
             return None
-        tail_s = max(self._tails) if self._tails else 1.0
+        tail_s = max(self._tails) if self._tails else 1.0  # before any step: a few WAN round trips
         now = time.monotonic()
         return Pace(spread_s, now + max(spread_s, window_s - tail_s))
 

@@ -172,8 +172,10 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             names = [m["name"] for m in plan.members]
             # A retry, or a plan that came late, may have less time left than the spread: it spreads
             # over what remains (a spread too short to pace is ignored by the all-reduce's agreement).
-            finish_s = pace.finish_by - time.monotonic() if pace is not None else None
-            spread_s = min(pace.spread_s, finish_s) if pace is not None else None
+            finish_s = spread_s = None
+            if pace is not None:
+                finish_s = pace.finish_by - time.monotonic()
+                spread_s = min(pace.spread_s, finish_s)
             result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
                                      outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
                                      links=mesh.links if mesh.config.ring_order == "measured" else None,
