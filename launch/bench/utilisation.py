@@ -3,10 +3,12 @@
 The same nodes (each in its own namespace behind the chosen profile) train the same config once per
 mode (int8 all-reduce over the WAN: `blocking` waits for it every H steps, `delayed` runs it behind
 the next round, `streaming` synchronises one of F fragments every H/F steps, each behind H/F steps of
-compute) and once with communication switched off (each node trains alone, no coordinator).
-Utilisation = tokens/s with communication / tokens/s without, over the same inner steps: the whole
-run, and the steady state (rounds 2 to the one before last: the first holds start-up, and the last
-round of `delayed` waits for its own all-reduce so the run ends on the average). Also prints each
+compute), with communication switched off (each node trains alone, no coordinator) for
+--reference-steps before every run and after the last. Utilisation = tokens/s with communication /
+tokens/s without, the latter the mean of the two communication-off passes around the run (this
+machine's speed drifts by 10-25% between passes; `ref drift` shows how much the two differed): over
+the whole run, and the steady state (rounds 2 to the one before last: the first holds start-up, and
+the last round of `delayed` waits for its own all-reduce so the run ends on the average). Also prints each
 mode's final eval loss (equal tokens), the largest transfer of one outer step with the rate it needs
 to stay hidden (its bytes / the compute time it overlaps), and the peak rate on the wire: the most any
 node's link delivered to it in any 1 s of the steady state (sampled every 0.25 s), against blocking's.
@@ -92,6 +94,26 @@ def median_lag(outer: list[dict]) -> float:
     return lags[len(lags) // 2] if lags else float("nan")
 
 
+def communication_off(wan: WanTopology, run_dir: Path, names: list[str], config: str, overrides: list[str],
+                      steps: int) -> tuple[float, float]:
+    """Tokens/s of the same nodes in the same namespaces training alone (no --join): over all their
+    inner steps, and from step 5 on (past the first steps' warm-up)."""
+    solo = LocalCluster(run_dir, config, [*overrides, "--train.max_steps", str(steps)], wan=wan)
+    procs = []
+    for name in names:
+        cmd = [*wan.exec_prefix(name), str(Path(sys.executable).parent / "torchrun"), "--standalone",
+               "--nproc-per-node=1", "-m", "prime.train", "--config", config, "--run-dir", str(run_dir / name),
+               "--quiet", *overrides, "--train.max_steps", str(steps)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    for p in procs:
+        if p.wait(timeout=3600) != 0:
+            raise RuntimeError(f"communication off: a node exited with {p.returncode}; its log is under {run_dir}")
+    rates = tokens_per_s(solo, names), tokens_per_s(solo, names, 5)
+    print(f"communication off: {rates[0]:.0f} tokens/s ({rates[1]:.0f} from step 5)", flush=True)
+    return rates
+
+
 def final_eval(cluster: LocalCluster, name: str) -> float:
     return [r["eval_loss"] for r in cluster.metrics(name) if "eval_loss" in r][-1]
 
@@ -117,6 +139,9 @@ def main() -> int:
                         help="instead of --modes/--paces/--overlaps, the runs themselves, comma-separated: "
                              "MODE[:pPACE][:tOVERLAP][:e], e.g. blocking,streaming:p0.9,delayed:p0.8:t25,delayed:t20:e "
                              "(e: diloco.apply_early)")
+    parser.add_argument("--reference-steps", type=int, default=60,
+                        help="inner steps of each communication-off pass: one before every run and one after the last; "
+                             "each run is compared with the mean of the two around it")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     parser.add_argument("--keep", default="", metavar="DIR",
                         help="keep every run's directory (each node's metrics.jsonl and logs) under DIR "
@@ -144,26 +169,13 @@ def main() -> int:
         if args.keep:
             print(f"run directories under {tmp}", flush=True)
         print(wan.describe(), flush=True)
-        # Communication off: the same processes in the same namespaces, no --join.
-        solo = LocalCluster(Path(tmp) / "solo", args.config, overrides, wan=wan)
-        procs = []
-        for name in names:
-            run_dir = Path(tmp) / "solo" / name
-            cmd = [*wan.exec_prefix(name), str(Path(sys.executable).parent / "torchrun"), "--standalone",
-                   "--nproc-per-node=1", "-m", "prime.train", "--config", args.config, "--run-dir", str(run_dir),
-                   "--quiet", *overrides]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
-        for p in procs:
-            p.wait(timeout=3600)
-        solo_rate, solo_steady = tokens_per_s(solo, names), tokens_per_s(solo, names, *steady)
-        print(f"communication off: {solo_rate:.0f} tokens/s", flush=True)
+        refs = [communication_off(wan, Path(tmp) / "solo-0", names, args.config, overrides, args.reference_steps)]
         paces = [float(p) for p in args.paces.split(",")]
         overlaps = [int(t) for t in args.overlaps.split(",")]
         runs = chosen or [(mode, pace, tau, False) for mode in args.modes.split(",")
                           for pace in (paces if mode != "blocking" else [0.0])
                           for tau in (overlaps if mode != "blocking" else [0])]
-        for mode, pace, tau, early in runs:
+        for index, (mode, pace, tau, early) in enumerate(runs, 1):
             label = mode if (len(paces) == 1 and not chosen) or mode == "blocking" else f"{mode} p{pace:g}"
             label += f" τ{tau or (H // args.fragments if mode == 'streaming' else H)}" \
                 if mode != "blocking" and (len(overlaps) > 1 or chosen) else ""
@@ -198,26 +210,35 @@ def main() -> int:
                               "mean_mbit": meter.mean_bytes_per_s(*window) * 8 / 1e6,
                               "kernel": f"{sum(1 for r in outer if r.get('kernel_paced'))}/{len(outer)}",
                               "lag": median_lag(outer[:-1])}
-                row = rows[label]
-                print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / solo_rate:.1%} "
-                      f"(steady {row['steady'] / solo_steady:.1%}, inner steps {row['share']:.1%} of the time), "
-                      f"eval loss {row['eval']:.4f}", flush=True)
+            # The reference for this run: communication off just before it and just after it (the machine's
+            # speed drifts between passes; the mean of its neighbours cancels a steady drift).
+            refs.append(communication_off(wan, Path(tmp) / f"solo-{index}", names, args.config, overrides,
+                                          args.reference_steps))
+            row = rows[label]
+            before, after = refs[-2], refs[-1]
+            row["ref"] = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+            row["drift"] = after[1] / before[1] - 1
+            print(f"{label}: {row['rate']:.0f} tokens/s, utilisation {row['rate'] / row['ref'][0]:.1%} "
+                  f"(steady {row['steady'] / row['ref'][1]:.1%}, inner steps {row['share']:.1%} of the time; "
+                  f"communication off before and after it: {before[1]:.0f} and {after[1]:.0f} tokens/s), "
+                  f"eval loss {row['eval']:.4f}", flush=True)
     print(f"\n{args.nodes} nodes, {args.config}, H={H}, {args.steps} inner steps, profile {args.profile} "
           f"(backend {wan.backend}); streaming with {args.fragments} fragments; outer momentum "
           f"{args.outer_momentum if args.outer_momentum is not None else 'from the config'}; "
           + (f"runs {args.runs}; " if chosen else f"paces {args.paces}; overlaps {args.overlaps} ")
           + "(τ 0: H for delayed, H/F for streaming); "
-          f"steady state = inner steps {steady[0]}-{steady[1]}")
+          f"steady state = inner steps {steady[0]}-{steady[1]}; communication off: {args.reference_steps} inner steps "
+          f"before every run and after the last, {', '.join(f'{r[1]:.0f}' for r in refs)} tokens/s in turn")
     print(f"{'mode':<26}{'util. (run)':>12}{'util. (steady)':>15}{'steps share':>13}{'all-reduce s':>14}{'waited s':>10}"
           f"{'eval loss':>11}{'vs blocking':>13}{'MB/outer step':>15}{'Mbit/s to hide':>16}{'peak Mbit/s':>13}"
-          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}{'lag':>6}")
+          f"{'peak vs blocking':>18}{'mean Mbit/s':>13}{'kernel-paced':>14}{'lag':>6}{'ref drift':>11}")
     base = rows.get("blocking", next(iter(rows.values())))
     for mode, row in rows.items():
-        print(f"{mode:<26}{row['rate'] / solo_rate:>12.1%}{row['steady'] / solo_steady:>15.1%}{row['share']:>13.1%}"
+        print(f"{mode:<26}{row['rate'] / row['ref'][0]:>12.1%}{row['steady'] / row['ref'][1]:>15.1%}{row['share']:>13.1%}"
               f"{row['allreduce_s']:>14.1f}{row['waited_s']:>10.1f}{row['eval']:>11.4f}"
               f"{row['eval'] / base['eval']:>13.4f}{row['largest_mb']:>15.2f}{row['hide_mbit']:>16.2f}"
               f"{row['peak_mbit']:>13.2f}{row['peak_mbit'] / base['peak_mbit']:>18.3f}{row['mean_mbit']:>13.2f}{row['kernel']:>14}"
-              f"{row['lag']:>6g}")
+              f"{row['lag']:>6g}{row['drift']:>+11.1%}")
     return 0
 
 
