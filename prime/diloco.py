@@ -33,7 +33,7 @@ from prime.catch_up import CatchUp
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
 from prime.optim import adam_state_tensors
-from prime.outer_exchange import Exchange, InFlight, Pace, StepClock, exchange
+from prime.outer_exchange import Exchange, InFlight, Pace, StepClock, exchange, plan_pace
 from prime.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class DilocoHook(CatchUp):
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
-        self._tails: deque[float] = deque(maxlen=3)  # recent outer steps' vote + commit after the transfer
+        self._overheads: deque[tuple[float, float]] = deque(maxlen=3)  # recent outer steps' (plan, vote + commit)
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step
@@ -318,7 +318,7 @@ class DilocoHook(CatchUp):
         return self._applied_late(trainer, exchange, inflight, time.perf_counter() - started)
 
     def _pace(self) -> Pace | None:
-        """diloco.pace: the all-reduce spread over that fraction of the inner steps between launches (or
+        """diloco.pace: the outer step spread over that fraction of the inner steps between launches (or
         of τ, if shorter: it must be applied by then), so its mean rate is what the cadence needs; what
         is left of τ, less the time recent outer steps took to vote and commit after their transfer, is
         slack a late transfer uses before it speeds up (streaming with τ over H/F has the most)."""
@@ -328,9 +328,7 @@ class DilocoHook(CatchUp):
         window_s = self._clock.seconds(self.config.overlap)
         if spread_s is None or window_s is None:
             return None
-        tail_s = max(self._tails) if self._tails else 1.0  # before any step: a few WAN round trips
-        now = time.monotonic()
-        return Pace(spread_s, now + max(spread_s, window_s - tail_s))
+        return plan_pace(spread_s, window_s, list(self._overheads), time.monotonic())
 
     def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                              contribute: bool, inner: dict | None, fragment: int,
@@ -353,7 +351,8 @@ class DilocoHook(CatchUp):
 
     def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
         self.outer_step = exchange.step
-        self._tails.append(exchange.timings.get("vote_s", 0.0) + exchange.timings.get("settle_s", 0.0))
+        timings = exchange.timings
+        self._overheads.append((timings.get("plan_s", 0.0), timings.get("vote_s", 0.0) + timings.get("settle_s", 0.0)))
         if exchange.contributed:
             self._settle_data(trainer, "committed")  # to the mark: the reading the outer step averaged
             self.tokens_contributed += inflight.tokens

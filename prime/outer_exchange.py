@@ -50,6 +50,19 @@ class Pace:
     finish_by: float
 
 
+def plan_pace(spread_s: float, window_s: float, overheads: list[tuple[float, float]], now: float) -> Pace:
+    """The pace of an outer step launched at `now` whose all-reduce should take `spread_s` of a window
+    of `window_s` (τ) before the inner steps wait for it. `overheads`: recent outer steps' (plan, vote
+    and commit) seconds, around their transfers. The spread gives up the longest recent plan and vote
+    and commit, so that the whole step, not only its transfer, takes the planned share of its window:
+    outer steps in flight are decided one after another, and a transfer that filled the whole share
+    would leave the next one queued behind it, starting late and catching up in a burst. Never below
+    half the planned spread; before any step, a few WAN round trips are assumed."""
+    before_s, after_s = (max(o[0] for o in overheads), max(o[1] for o in overheads)) if overheads else (0.5, 1.0)
+    transfer_s = max(spread_s / 2, spread_s - before_s - after_s)
+    return Pace(transfer_s, now + max(transfer_s, window_s - after_s))
+
+
 class InFlight:
     """An overlapped outer step, decided in a background thread while the inner steps go on. Several may
     be in flight (streaming with an overlap over H/F steps); each is decided after the one before it

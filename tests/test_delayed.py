@@ -4,6 +4,7 @@ H/F steps. Real coordinator, torchrun nodes, Gloo and SIGKILLs."""
 
 from __future__ import annotations
 
+from prime.outer_exchange import plan_pace
 from tests.test_multinode import assert_exactly_once, assert_identical, cluster, join_midway
 
 DELAYED = ["--diloco.mode", "delayed"]
@@ -16,6 +17,19 @@ def three_nodes_node1_faulty(c, fault: list[str], outer_steps: int) -> dict:
     assert c.wait_nodes(240) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node1")[-3000:]
     assert_identical(c, ["node0", "node1", "node2"], range(1, outer_steps + 1))
     return c.outer_records("node0")
+
+
+def test_a_paced_outer_step_leaves_room_in_its_share_for_its_plan_and_vote():
+    """A spread of 9 s in a window of 12 s: recent steps planned in up to 0.5 s and voted and committed
+    in up to 1 s, so the transfer gets 7.5 s (the whole step takes the 9 s planned, and the next one
+    need not queue behind it) and must end 1 s before the window does."""
+    pace = plan_pace(9.0, 12.0, [(0.2, 0.6), (0.5, 0.4), (0.3, 1.0)], now=100.0)
+    assert pace.spread_s == 7.5 and pace.finish_by == 111.0
+    # Overheads that would leave less than half the spread: the transfer keeps half.
+    assert plan_pace(4.0, 12.0, [(2.0, 3.0)], now=0.0).spread_s == 2.0
+    # Before any outer step was decided, a few WAN round trips are assumed.
+    first = plan_pace(9.0, 12.0, [], now=0.0)
+    assert first.spread_s == 7.5 and first.finish_by == 11.0
 
 
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
