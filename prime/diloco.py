@@ -59,7 +59,7 @@ class DilocoHook(CatchUp):
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
         self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
-        self._overheads: deque[tuple[float, float]] = deque(maxlen=3)  # recent outer steps' (plan, vote + commit)
+        self._overheads: deque[tuple[float, float]] = deque(maxlen=5)  # recent outer steps' (plan, vote + commit)
 
     def on_start(self, trainer) -> None:
         committed, restored = self.mesh.joined["committed_step"], self.outer_step

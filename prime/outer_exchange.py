@@ -53,14 +53,18 @@ class Pace:
 def plan_pace(spread_s: float, window_s: float, overheads: list[tuple[float, float]], now: float) -> Pace:
     """The pace of an outer step launched at `now` whose all-reduce should take `spread_s` of a window
     of `window_s` (τ) before the inner steps wait for it. `overheads`: recent outer steps' (plan, vote
-    and commit) seconds, around their transfers. The spread gives up the longest recent plan and vote
-    and commit, so that the whole step, not only its transfer, takes the planned share of its window:
-    outer steps in flight are decided one after another, and a transfer that filled the whole share
-    would leave the next one queued behind it, starting late and catching up in a burst. Never below
-    half the planned spread; before any step, a few WAN round trips are assumed."""
-    before_s, after_s = (max(o[0] for o in overheads), max(o[1] for o in overheads)) if overheads else (0.5, 1.0)
+    and commit) seconds, around their transfers. The spread gives up their mean plan and vote and
+    commit, so that the whole step, not only its transfer, takes the planned share of its window:
+    outer steps in flight are decided one after another, and transfers that filled the whole share
+    would leave each next one queued behind the last, starting late and catching up in a burst (the
+    mean, not the longest: a step whose commit serves a whole snapshot is absorbed by the slack). The
+    finish-by leaves room for the longest recent vote and commit. Never below half the planned
+    spread; before any step, a few WAN round trips are assumed."""
+    overheads = overheads or [(0.5, 1.0)]
+    before_s = sum(o[0] for o in overheads) / len(overheads)
+    after_s = sum(o[1] for o in overheads) / len(overheads)
     transfer_s = max(spread_s / 2, spread_s - before_s - after_s)
-    return Pace(transfer_s, now + max(transfer_s, window_s - after_s))
+    return Pace(transfer_s, now + max(transfer_s, window_s - max(o[1] for o in overheads)))
 
 
 class InFlight:
