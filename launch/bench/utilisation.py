@@ -96,8 +96,10 @@ def median_lag(outer: list[dict]) -> float:
 
 def communication_off(wan: WanTopology, run_dir: Path, names: list[str], config: str, overrides: list[str],
                       steps: int) -> tuple[float, float]:
-    """Tokens/s of the same nodes in the same namespaces training alone (no --join): over all their
-    inner steps, and from step 5 on (past the first steps' warm-up)."""
+    """Tokens/s of the same nodes in the same namespaces training alone (no --join): over their inner
+    steps, and from step 5 on (past the first steps' warm-up); both up to the step before the last,
+    whose record comes after the run's final eval (seconds that, in a pass this short, would make
+    communication off read a few percent slow)."""
     solo = LocalCluster(run_dir, config, [*overrides, "--train.max_steps", str(steps)], wan=wan)
     procs = []
     for name in names:
@@ -109,7 +111,7 @@ def communication_off(wan: WanTopology, run_dir: Path, names: list[str], config:
     for p in procs:
         if p.wait(timeout=3600) != 0:
             raise RuntimeError(f"communication off: a node exited with {p.returncode}; its log is under {run_dir}")
-    rates = tokens_per_s(solo, names), tokens_per_s(solo, names, 5)
+    rates = tokens_per_s(solo, names, 0, steps - 1), tokens_per_s(solo, names, 5, steps - 1)
     print(f"communication off: {rates[0]:.0f} tokens/s ({rates[1]:.0f} from step 5)", flush=True)
     return rates
 
