@@ -246,11 +246,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     spread_s: pace the sends so that they take about this long in all (elastic_mesh/pacing.py) rather
     than going at the link's rate; a slower link still takes as long as it takes. Members agree on the
     longest spread any of them asks for: the all-reduce ends with its slowest sender anyway.
-    finish_s: when this member needs the result, if later than the spread (slack before anyone waits
-    for it): a sender behind the spread's schedule speeds up only as much as it must to end by the
-    latest finish any member asks for. The latest, not its own: a ring moves at its slowest member's
-    pace, so a member that hurried to an earlier limit would only burst onto the wire; a member that
-    needs the result sooner (one that ran ahead of the others) waits for it instead.
+    finish_s: this member's own limit, if later than the spread (slack before anyone waits for the
+    result): a sender behind the spread's schedule speeds up only as much as it must to end by it.
     sockets: each group's TCP connections, where known (socket_pacing.py): a paced all-reduce has the
     kernel pace them too, so the bytes leave evenly within each piece and after a stall.
     """
@@ -264,8 +261,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0, 1.0 if contributes[rank] else 0.0,
                            float(x.numel()), 1.0 if links else 0.0,
                            *(links.incoming(peers) if links else [0.0] * world),
-                           *(links.last_ring(peers) if links else range(world)), spread_s or 0.0,
-                           finish_s or 0.0])
+                           *(links.last_ring(peers) if links else range(world)), spread_s or 0.0])
     headers = [torch.empty(header_size(world)) for _ in range(world)]
     _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
@@ -274,7 +270,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     ring, rates = _agree_on_ring(headers, world)
     # What each member sends (both phases), paced to the agreed spread, in pieces everyone cuts alike.
     to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
-    spread, finish = _agree_on_pace(headers)
+    spread = _agree_on_spread(headers)
     pace = to_send / spread if spread and world > 1 and to_send else None
     piece = piece_bytes(pace) if pace else 0
     ring_changed = False
@@ -308,7 +304,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 
     def cap(rate: float | None) -> int:
         return sum(s.pace(None if rate is None else rate / len(bounds)) for s in capped)
-    pacer = Pacer(pace, to_send, on_rate=cap, end_s=finish) if pace else None
+    pacer = Pacer(pace, to_send, on_rate=cap, end_s=finish_s) if pace else None
 
     def run(i: int) -> None:
         def after_scatter() -> None:
@@ -357,9 +353,8 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
 def header_size(world: int) -> int:
     """Floats in a member's header: finite, norm, contributes, elements, follows-links, then its
     measured incoming rate from each member, then the ring it last used (only member 0's counts), then
-    the seconds it would spread its sends over (0: it does not pace) and the seconds until it needs
-    the result (0: no slack past the spread)."""
-    return 7 + 2 * world
+    the seconds it would spread its sends over (0: it does not pace)."""
+    return 6 + 2 * world
 
 
 def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], list[list[float]] | None]:
@@ -377,14 +372,11 @@ def _agree_on_ring(headers: list[torch.Tensor], world: int) -> tuple[list[int], 
     return choose_ring(rates, previous), rates
 
 
-def _agree_on_pace(headers: list[torch.Tensor]) -> tuple[float, float]:
-    """(spread, finish) every member paces its sends to: the longest spread any member asks for (0: no
-    pacing), and the latest finish (0: none past the spread). A value outside [MIN_SPREAD_S,
-    MAX_SPREAD_S] (NaN included) is ignored, so a hostile header can neither make pieces tiny (millions
-    of sends) nor stretch a round past what any node would ask."""
-    def agreed(column: int) -> float:
-        return max([float(h[column]) for h in headers if MIN_SPREAD_S <= h[column] <= MAX_SPREAD_S] or [0.0])
-    return agreed(-2), agreed(-1)
+def _agree_on_spread(headers: list[torch.Tensor]) -> float:
+    """Seconds every member spreads its sends over: the longest any member asks for (0: no pacing).
+    A value outside [MIN_SPREAD_S, MAX_SPREAD_S] (NaN included) is ignored, so a hostile header can
+    neither make pieces tiny (millions of sends) nor stretch a round past what any node would ask."""
+    return max([float(h[-1]) for h in headers if MIN_SPREAD_S <= h[-1] <= MAX_SPREAD_S] or [0.0])
 
 
 @dataclass

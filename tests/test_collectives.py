@@ -59,7 +59,7 @@ def _lie(pg, x, codec, world, queue):
     from elastic_mesh.codecs import BLOCK
     from elastic_mesh.collectives import header_size
 
-    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world), 0.0, 0.0])
+    header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world), 0.0])
     assert header.numel() == header_size(world)
     pg.allgather([[torch.empty(header_size(world)) for _ in range(world)]], [header]).wait()
     chunk = -(-(-(-x.numel() // world)) // BLOCK) * BLOCK
@@ -111,7 +111,7 @@ def test_int8_error_is_under_one_percent_and_flat_in_members(world):
     assert error <= 0.01, f"relative RMS error {error:.4f} at {world} members"
     # Each member sends and receives 2 × (N-1)/N of the int8 payload: flat in N, ~1/3.9 of fp32.
     chunk = -(-(-(-size // world)) // BLOCK) * BLOCK
-    header, marker = 4 * (7 + 2 * world), 4
+    header, marker = 4 * (6 + 2 * world), 4
     assert results[0][4] == 2 * (world - 1) * codec_for("int8").encoded_size(chunk) + (world - 1) * (header + marker)
 
 
@@ -255,19 +255,16 @@ def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
     assert paced_s <= 2.5 * spread_s and plain_s < 0.5 * spread_s, (plain_s, paced_s)
 
 
-def test_members_agree_on_the_longest_spread_and_the_latest_finish_and_ignore_absurd_ones():
-    from elastic_mesh.collectives import _agree_on_pace, header_size
+def test_members_agree_on_the_longest_spread_and_ignore_absurd_ones():
+    from elastic_mesh.collectives import _agree_on_spread, header_size
     from elastic_mesh.pacing import MIN_PIECE, piece_bytes
 
-    def header(spread, finish=0.0):
-        return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, spread, finish], dtype=torch.float32)
+    def header(spread):
+        return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, spread], dtype=torch.float32)
 
     assert header(0).numel() == header_size(2)
-    assert _agree_on_pace([header(0), header(0)]) == (0, 0)
-    assert _agree_on_pace([header(2.0), header(0), header(8.0)]) == (8.0, 0)
-    # A member that ran ahead needs the result in 9 s, the others in 12 s: all pace to end by 12 s,
-    # and the one ahead waits, rather than everyone bursting to suit it.
-    assert _agree_on_pace([header(8.0, 9.0), header(8.0, 12.0)]) == (8.0, 12.0)
+    assert _agree_on_spread([header(0), header(0)]) == 0
+    assert _agree_on_spread([header(2.0), header(0), header(8.0)]) == 8.0
     for hostile in (1e-9, float("nan"), float("inf"), 1e12, -5):
-        assert _agree_on_pace([header(hostile, hostile), header(3.0, 4.0)]) == (3.0, 4.0)
+        assert _agree_on_spread([header(hostile), header(3.0)]) == 3.0
     assert piece_bytes(1.0) == MIN_PIECE  # however slow the agreed pace, pieces stay whole-packet sized

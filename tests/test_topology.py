@@ -74,7 +74,7 @@ def test_members_agree_on_rank_order_when_one_does_not_follow_links_or_member_0_
     slow = [[0.0 if i == j else (1.0 if {i, j} == {0, 1} else 10.0) for i in range(world)] for j in range(world)]
 
     def headers(follows, ring):
-        return [torch.tensor([1, 1, 1, 100, float(follows[j]), *slow[j], *ring, 0.0, 0.0], dtype=torch.float32)
+        return [torch.tensor([1, 1, 1, 100, float(follows[j]), *slow[j], *ring, 0.0], dtype=torch.float32)
                 for j in range(world)]
 
     assert all(h.numel() == header_size(world) for h in headers([1] * 4, range(4)))
