@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -146,7 +147,7 @@ def main() -> int:
                              "each run is compared with the mean of the two around it")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     parser.add_argument("--keep", default="", metavar="DIR",
-                        help="keep every run's directory (each node's metrics.jsonl and logs) under DIR "
+                        help="keep every run's directory (each node's metrics.jsonl and logs, and wire.json: the wire samples) under DIR "
                              "instead of a temporary one")
     args = parser.parse_args()
     try:
@@ -191,6 +192,8 @@ def main() -> int:
                 c.start_nodes(names)
                 with WireMeter({name: c.nodes[name].pid for name in names}) as meter:
                     c.finish_nodes(names, 3600)
+                if args.keep:  # where the peak came from: the samples beside the nodes' metrics
+                    (Path(tmp) / label.replace(" ", "-") / "wire.json").write_text(json.dumps(meter.samples))
                 outer = list(c.outer_records("node0").values())
                 rate = tokens_per_s(c, names)
                 steps = [r for r in c.metrics("node0") if "loss" in r]
