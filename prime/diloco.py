@@ -324,11 +324,11 @@ class DilocoHook(CatchUp):
         slack a late transfer uses before it speeds up (streaming with τ over H/F has the most)."""
         if not self.config.pace:
             return None
-        spread_s = self._clock.seconds(self.config.pace * min(self.config.overlap, self.config.sync_period))
+        share_s = self._clock.seconds(min(self.config.overlap, self.config.sync_period))
         window_s = self._clock.seconds(self.config.overlap)
-        if spread_s is None or window_s is None:
+        if share_s is None or window_s is None:
             return None
-        return plan_pace(spread_s, window_s, list(self._overheads), time.monotonic())
+        return plan_pace(share_s, self.config.pace, window_s, list(self._overheads), time.monotonic())
 
     def _background_exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                              contribute: bool, inner: dict | None, fragment: int,

@@ -50,20 +50,25 @@ class Pace:
     finish_by: float
 
 
-def plan_pace(spread_s: float, window_s: float, overheads: list[tuple[float, float]], now: float) -> Pace:
-    """The pace of an outer step launched at `now` whose all-reduce should take `spread_s` of a window
-    of `window_s` (τ) before the inner steps wait for it. `overheads`: recent outer steps' (plan, vote
-    and commit) seconds, around their transfers. The spread gives up their mean plan and vote and
-    commit, so that the whole step, not only its transfer, takes the planned share of its window:
-    outer steps in flight are decided one after another, and transfers that filled the whole share
-    would leave each next one queued behind the last, starting late and catching up in a burst (the
-    mean, not the longest: a step whose commit serves a whole snapshot is absorbed by the slack). The
-    finish-by leaves room for the longest recent vote and commit. Never below half the planned
-    spread; before any step, a few WAN round trips are assumed."""
+def plan_pace(share_s: float, fraction: float, window_s: float, overheads: list[tuple[float, float]],
+              now: float) -> Pace:
+    """The pace of an outer step launched at `now`: its all-reduce should take `fraction` of its share
+    of the inner steps' time (`share_s`: the time between launches, or τ if shorter) within a window of
+    `window_s` (τ) before the inner steps wait for it. `overheads`: recent outer steps' (plan, vote and
+    commit) seconds, around their transfers. Outer steps in flight are decided one after another, so the
+    whole step, not only its transfer, must fit in the share, or the next one queues behind it, starts
+    late and catches up in a burst. The rest of the share (1 − fraction) is there for the plan and the
+    vote and commit; only where their recent mean does not fit in it does the transfer give up the
+    difference (the mean, not the longest: a step whose commit serves a whole snapshot is absorbed by
+    the slack). Giving up more would only raise the rate on the wire: a member that reached the plan
+    early waited there for the others, which costs the wire nothing, and the members spread over the
+    longest spread any of them asks for. Never below half the planned spread. The finish-by leaves room
+    for the longest recent vote and commit; before any step, a few WAN round trips are assumed."""
     overheads = overheads or [(0.5, 1.0)]
     before_s = sum(o[0] for o in overheads) / len(overheads)
     after_s = sum(o[1] for o in overheads) / len(overheads)
-    transfer_s = max(spread_s / 2, spread_s - before_s - after_s)
+    spread_s = fraction * share_s
+    transfer_s = max(spread_s / 2, min(spread_s, share_s - before_s - after_s))
     return Pace(transfer_s, now + max(transfer_s, window_s - max(o[1] for o in overheads)))
 
 

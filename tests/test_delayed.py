@@ -22,16 +22,21 @@ def three_nodes_node1_faulty(c, fault: list[str], outer_steps: int) -> dict:
 
 
 def test_a_paced_outer_step_leaves_room_in_its_share_for_its_plan_and_vote():
-    """A spread of 9 s in a window of 12 s: recent steps planned in 0.3 s and voted and committed in
-    0.7 s on average, so the transfer gets 8 s (the whole step takes the 9 s planned, and the next one
-    need not queue behind it) and must end 1 s (the longest vote and commit) before the window does."""
-    pace = plan_pace(9.0, 12.0, [(0.2, 0.6), (0.5, 0.5), (0.2, 1.0)], now=100.0)
-    assert pace.spread_s == pytest.approx(8.0) and pace.finish_by == pytest.approx(111.0)
+    """A share of 10 s between launches in a window of 12 s, paced over 0.9 of it: recent steps planned
+    in 0.3 s and voted and committed in 0.7 s on average. That 1 s fits in the 1 s the pace leaves, so
+    the transfer keeps its 9 s; it must end 1 s (the longest vote and commit) before the window does."""
+    recent = [(0.2, 0.6), (0.5, 0.5), (0.2, 1.0)]
+    pace = plan_pace(10.0, 0.9, 12.0, recent, now=100.0)
+    assert pace.spread_s == pytest.approx(9.0) and pace.finish_by == pytest.approx(111.0)
+    # Paced over the whole share, the transfer gives up the plan and the vote and commit, so the next
+    # outer step need not queue behind this one.
+    assert plan_pace(10.0, 1.0, 12.0, recent, now=0.0).spread_s == pytest.approx(9.0)
+    assert plan_pace(10.0, 0.95, 12.0, [(0.6, 0.9)], now=0.0).spread_s == pytest.approx(8.5)
     # Overheads that would leave less than half the spread: the transfer keeps half.
-    assert plan_pace(4.0, 12.0, [(2.0, 3.0)], now=0.0).spread_s == 2.0
+    assert plan_pace(5.0, 0.8, 12.0, [(2.0, 3.0)], now=0.0).spread_s == pytest.approx(2.0)
     # Before any outer step was decided, a few WAN round trips are assumed.
-    first = plan_pace(9.0, 12.0, [], now=0.0)
-    assert first.spread_s == 7.5 and first.finish_by == 11.0
+    first = plan_pace(10.0, 0.9, 12.0, [], now=0.0)
+    assert first.spread_s == pytest.approx(8.5) and first.finish_by == pytest.approx(11.0)
 
 
 def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
