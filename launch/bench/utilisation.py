@@ -147,8 +147,8 @@ def main() -> int:
                              "each run is compared with the mean of the two around it")
     parser.add_argument("--config", default="configs/cpu-demo.toml")
     parser.add_argument("--keep", default="", metavar="DIR",
-                        help="keep every run's directory (each node's metrics.jsonl and logs, and wire.json: the wire samples) under DIR "
-                             "instead of a temporary one")
+                        help="keep every run's directory (each node's metrics.jsonl and logs, and wire.json: "
+                             "the wire samples) under DIR instead of a temporary one")
     args = parser.parse_args()
     try:
         chosen = [run_spec(spec) for spec in args.runs.split(",")] if args.runs else None
@@ -187,13 +187,14 @@ def main() -> int:
             extra += ["--diloco.fragments", str(args.fragments)] if mode == "streaming" else []
             extra += ["--diloco.pace", str(pace)] if mode != "blocking" else []
             extra += ["--diloco.apply_early", "true"] if early else []
-            with LocalCluster(Path(tmp) / label.replace(" ", "-"), args.config, [*overrides, *extra], wan=wan,
+            run_dir = Path(tmp) / label.replace(" ", "-")
+            with LocalCluster(run_dir, args.config, [*overrides, *extra], wan=wan,
                               coordinator_args=["--min-wait-s", "60"]) as c:
                 c.start_nodes(names)
                 with WireMeter({name: c.nodes[name].pid for name in names}) as meter:
                     c.finish_nodes(names, 3600)
                 if args.keep:  # where the peak came from: the samples beside the nodes' metrics
-                    (Path(tmp) / label.replace(" ", "-") / "wire.json").write_text(json.dumps(meter.samples))
+                    (run_dir / "wire.json").write_text(json.dumps(meter.samples))
                 outer = list(c.outer_records("node0").values())
                 rate = tokens_per_s(c, names)
                 steps = [r for r in c.metrics("node0") if "loss" in r]
