@@ -192,7 +192,9 @@ class DilocoHook(CatchUp):
                   "model_hash": model_hash, "step": trainer.step, "tokens_contributed": self.tokens_contributed,
                   "refused": [plan.members[r]["name"] for r in result.refused], "fragment": fragment,
                   "kernel_paced": result.kernel_paced,
-                  "timings": {k: round(v, 3) for k, v in exchange.timings.items()}}
+                  # Rounded as allreduce_s is, so that the transfer (which holds the all-reduce) never
+                  # reads shorter than it.
+                  "timings": {k: round(v, 4) for k, v in exchange.timings.items()}}
         trainer.progress.note(
             f"outer step {exchange.step}{late}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
             f"nodes averaged, all-reduce {result.seconds:.2f} s{' in the background' if late else ''}, "
