@@ -28,7 +28,7 @@ import torch
 
 from elastic_mesh.codecs import codec_for
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.snapshots import build_snapshot
+from elastic_mesh.snapshots import DeferredSnapshot
 from prime.catch_up import CatchUp
 from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco_config import DilocoConfig
@@ -375,11 +375,14 @@ class DilocoHook(CatchUp):
             log.warning("chaos: serving every snapshot chunk %.2f s late from now on", self.mesh.snapshots.serve_delay_s)
 
     def _serve(self, step: int, tensors: dict[str, torch.Tensor], kind: str, meta: dict | None = None) -> None:
-        snapshot = build_snapshot(step, tensors, meta, chunk_bytes=self.mesh.config.snapshot_chunk_bytes)
+        """Published deferred: laid out and hashed when a peer first asks (every tensor here is a copy
+        made for serving, or the all-reduce's own bytes, which nothing writes again)."""
+        transform = None
         if time.monotonic() < self._corrupt_until:
             log.warning("chaos: serving the %s of outer step %d with a bit flipped in every chunk", kind, step)
-            snapshot = corrupted(snapshot)
-        self.mesh.snapshots.publish(snapshot, kind)
+            transform = corrupted
+        self.mesh.snapshots.publish(DeferredSnapshot(step, tensors, meta, self.mesh.config.snapshot_chunk_bytes,
+                                                     transform), kind)
 
     def _publish(self, step: int, result, optimizer) -> None:
         """Snapshot of step k and the update that made it, built in the background (the outer state does

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.snapshots import Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer, build_snapshot
+from elastic_mesh.snapshots import (DeferredSnapshot, Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer,
+                                   build_snapshot)
 
 KEY = "k" * 32
 CHUNK = 64 << 10
@@ -221,6 +222,28 @@ def test_mixed_fetch_takes_each_chunk_from_some_source_checked_against_that_sour
             s.stop()
     assert report.corrupt and all(addresses(servers)[0] in c for c in report.corrupt), report.corrupt
     assert all(owners(mixed, c) <= {1, 2} and owners(mixed, c) for c in range(report.chunks))
+
+
+def test_a_deferred_snapshot_is_built_once_when_first_fetched_and_serves_the_same_bytes(tmp_path):
+    built = []
+
+    def counted(snapshot: Snapshot) -> Snapshot:
+        built.append(snapshot.step)
+        return snapshot
+    servers = [SnapshotServer("127.0.0.1", 0, KEY) for _ in range(2)]
+    try:
+        for s in servers:
+            s.publish(DeferredSnapshot(5, state(), {"outer_step": 5}, CHUNK, transform=counted))
+        assert built == [] and servers[0].steps() == [5]  # published, not yet laid out or hashed
+        manifest, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+    finally:
+        for s in servers:
+            s.stop()
+    assert built == [5, 5], built  # once per source, though both served many chunks to several streams
+    assert manifest == build_snapshot(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK).manifest
+    assert_state(tensors)
+    with pytest.raises(TypeError, match="complex64"):  # a bad tensor fails its publisher, not a peer later
+        DeferredSnapshot(1, {"z": torch.zeros(2, dtype=torch.complex64)})
 
 
 def test_a_snapshot_being_fetched_outlives_newer_ones():
