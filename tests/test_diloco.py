@@ -141,6 +141,29 @@ def test_fragments_cover_every_parameter_once_and_step_alone():
     assert torch.allclose(later[0], moved[0] + 0.05) and torch.allclose(later[1][:2], moved[1][:2] + 0.05)
 
 
+def test_model_hash_follows_every_write_to_the_outer_params_though_it_rehashes_only_what_changed():
+    """digest() keeps each parameter's hash until the tensor's version counter moves: after any of the
+    outer optimizer's writes it must equal the hash of a fresh optimizer holding the same params."""
+    torch.manual_seed(2)
+    outer = OuterOptimizer([torch.randn(40), torch.randn(8, 5), torch.randn(30)], lr=0.7, momentum=0.9, fragments=3)
+
+    def fresh() -> bytes:
+        return OuterOptimizer([o.clone() for o in outer.outer], lr=0.7, momentum=0.9).digest()
+    seen = {outer.digest()}
+    assert outer.digest() == fresh()
+    for fragment in (0, 1, 2, 1):
+        outer.apply(torch.randn(sum(hi - lo for _, lo, hi in outer.fragments[fragment])), fragment)
+        assert outer.digest() == fresh() and outer.digest() not in seen, fragment
+        seen.add(outer.digest())
+    other = OuterOptimizer([torch.zeros(40), torch.zeros(8, 5), torch.zeros(30)], lr=0.7, momentum=0.9)
+    other.digest()
+    other.load_state_tensor(outer.state_tensor())  # a joiner's snapshot
+    assert other.digest() == outer.digest()
+    one = outer.outer[1].view(-1)[7:9]
+    one.mul_(1.0001)  # an in-place write through a view moves the base's counter as well
+    assert outer.digest() == fresh() and outer.digest() not in seen
+
+
 def test_fragments_are_equal_to_one_element_and_cover_everything_in_order():
     """Every fragment gets the same window, so the largest sets the rate the link must carry."""
     rng = random.Random(0)
