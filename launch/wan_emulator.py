@@ -11,9 +11,11 @@ It works in ticks of a tenth of the shortest one-way latency (at most TICK_S): w
 flight it starts at most one round per tick, in which it reads what the hosts sent meanwhile and hands
 on what is due within half a tick, so packets keep their schedule to about ±half a tick (a packet sent
 during a tick enters its link up to a tick late; ±2 ms under `global`, half its jitter).
-A wake-up costs this Python process far more than a packet does, and on CPUs shared with the
-emulated hosts each one preempts a host: waking per packet and per hop (three times a packet) took
-~4% of a core while a paced all-reduce ran behind the hosts' compute.
+A packet moving from one link to the next wakes nothing: that hop is taken in the next round that
+wakes anyway, well before the next link's latency could make it due. A wake-up costs this Python
+process far more than a packet does, and on CPUs shared with the emulated hosts each one preempts a
+host: waking per packet and per hop (three times a packet) took ~4% of a core while a paced
+all-reduce ran behind the hosts' compute, ticks 2.8%.
 
     python launch/wan_emulator.py CONFIG.json     (started by launch/wan.py, prints "ready")
 """
@@ -24,6 +26,7 @@ import ctypes
 import fcntl
 import heapq
 import json
+import math
 import os
 import random
 import select
@@ -143,18 +146,27 @@ def main() -> int:
     for fd in source_of:
         poller.register(fd, select.EPOLLIN)
     links = [*up.values(), *down.values(), *paths.values()]
-    tick = min(TICK_S, min(link.latency_s for link in links) / 10)
+    shortest = min(link.latency_s for link in links)
+    tick = min(TICK_S, shortest / 10)
     half = tick / 2
-    events: list = []  # (time, seq, stage, source, destination, packet)
+    # A packet between two links (off its sender's uplink or off a route) only needs its next link's
+    # schedule taken before that link's latency could make it due: up to `slack` after it got there.
+    # So hops wait for a round that wakes anyway (a read or a delivery) rather than waking their own,
+    # one wake-up a packet fewer. Hops are still taken in the order they came due (one heap), so each
+    # link's FIFO holds; only deliveries, the writes to the hosts, keep to the tick.
+    slack = max(0.0, shortest - tick)
+    hops: list = []        # (due, seq, stage, source, destination, packet): stage 1 off the uplink, 2 off the route
+    deliveries: list = []  # (due, seq, destination, packet)
     seq = 0
     print(f"ready ({priority}, tick {tick * 1e3:.2g} ms)", flush=True)
     woke = 0.0
     while not stop:
-        if events:  # packets in flight: one round a tick at most, a new packet or the next due ends the wait
+        if hops or deliveries:  # packets in flight: one round a tick at most, a new packet or the next due ends the wait
             rest = woke + tick - time.monotonic()
             if rest > 0:
                 time.sleep(rest)
-            ready = poller.poll(min(0.5, max(0.0, events[0][0] - half - time.monotonic())))
+            due = min(deliveries[0][0] if deliveries else math.inf, hops[0][0] + slack if hops else math.inf)
+            ready = poller.poll(min(0.5, max(0.0, due - half - time.monotonic())))
         else:  # idle: wake for the next packet a host sends
             ready = poller.poll(0.5)
         woke = now = time.monotonic()
@@ -173,24 +185,25 @@ def main() -> int:
                 arrival = up[source].schedule(now, len(packet), rng)
                 if arrival is not None:
                     seq += 1
-                    heapq.heappush(events, (arrival, seq, 1, source, destination, packet))
-        while events and events[0][0] <= now + half:
-            due, _, stage, source, destination, packet = heapq.heappop(events)
+                    heapq.heappush(hops, (arrival, seq, 1, source, destination, packet))
+        while hops and hops[0][0] <= now + half:
+            due, _, stage, source, destination, packet = heapq.heappop(hops)
             if stage == 1 and (source, destination) in paths:  # off the sender's uplink, onto the route
                 crossed = paths[(source, destination)].schedule(due, len(packet), rng)
                 if crossed is not None:
                     seq += 1
-                    heapq.heappush(events, (crossed, seq, 2, source, destination, packet))
-            elif stage in (1, 2):  # now the receiver's downlink
+                    heapq.heappush(hops, (crossed, seq, 2, source, destination, packet))
+            else:  # now the receiver's downlink
                 delivery = down[destination].schedule(due, len(packet), rng)
                 if delivery is not None:
                     seq += 1
-                    heapq.heappush(events, (delivery, seq, 3, source, destination, packet))
-            else:
-                try:
-                    os.write(fds[destination], packet)
-                except (BlockingIOError, OSError):
-                    down[destination].dropped += 1
+                    heapq.heappush(deliveries, (delivery, seq, destination, packet))
+        while deliveries and deliveries[0][0] <= now + half:
+            _, _, destination, packet = heapq.heappop(deliveries)
+            try:
+                os.write(fds[destination], packet)
+            except (BlockingIOError, OSError):
+                down[destination].dropped += 1
     stats = {name: {"up_dropped": up[name].dropped, "down_dropped": down[name].dropped,
                     "up_packets": up[name].carried, "down_packets": down[name].carried} for name in fds}
     stats.update({f"{a}->{b}": {"dropped": link.dropped, "packets": link.carried} for (a, b), link in paths.items()})
