@@ -154,7 +154,7 @@ def main() -> int:
     # So hops wait for a round that wakes anyway (a read or a delivery) rather than waking their own,
     # one wake-up a packet fewer. Hops are still taken in the order they came due (one heap), so each
     # link's FIFO holds; only deliveries, the writes to the hosts, keep to the tick.
-    slack = max(0.0, shortest - tick)
+    slack = max(0.0, min(link.latency_s - link.jitter_s for link in links) - tick)  # jitter may shorten a hop
     hops: list = []        # (due, seq, stage, source, destination, packet): stage 1 off the uplink, 2 off the route
     deliveries: list = []  # (due, seq, destination, packet)
     seq = 0
