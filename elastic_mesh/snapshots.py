@@ -104,10 +104,6 @@ class DeferredSnapshot:
                 self._built, self._args = transform(built) if transform else built, None  # the copies go
             return self._built
 
-    @property
-    def built(self) -> bool:
-        return self._built is not None
-
 
 def snapshot_tensors(manifest: dict, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
     out = {}

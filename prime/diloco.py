@@ -385,7 +385,7 @@ class DilocoHook(CatchUp):
                                                      transform), kind)
 
     def _publish(self, step: int, result, optimizer) -> None:
-        """Snapshot of step k and the update that made it, built in the background (the outer state does
+        """Snapshot of step k and the update that made it, published in the background (the outer state does
         not change until the next outer step, which waits for this thread first). The update travels as
         the all-reduce's own encoded bytes: int8 is ~3.9× smaller than the fp32 mean, and decodes to it
         exactly. The inner AdamW moments are copied now (the next inner step changes them) and served
