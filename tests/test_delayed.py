@@ -43,7 +43,11 @@ def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
     """2 nodes × 2 local ranks (the background thread's own local group), 2 TCP streams per peer pair;
     each average applied as soon as it is decided (diloco.apply_early), which on loopback is a step or
     two after its launch rather than a whole round of 5 (inner steps slowed to 0.2 s): the local ranks
-    must agree on the inner step at which they apply it."""
+    must agree on the inner step at which they apply it. Only the node that launches last sees that
+    short lag: a node that runs ahead by d steps (it started training later than the other: seen in CI)
+    waits d steps more for the other's launch, and one ahead by ≥ 5 applies every average a whole round
+    late, so its lead shrinks to 5 minus the exchange time and stays there (CI: [5, 5, 5, 5, 5] on node
+    a). The lags are checked on both nodes."""
     extra = [*DELAYED, "--data.parts_per_file", "2", "--mesh.streams_per_peer", "2", "--diloco.apply_early", "true",
              "--chaos.step_delay_s", "0.2"]
     with cluster(tmp_path, corpus, 2, steps=30, nproc=2, extra=extra) as c:
@@ -51,11 +55,15 @@ def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
         c.start_node("b")
         assert c.wait_nodes(240) == {"a": 0, "b": 0}, c.log("a")[-3000:]
         assert_identical(c, ["a", "b"], range(1, 7))
-        records = c.outer_records("a")
-        assert sorted(records) == [1, 2, 3, 4, 5, 6] and all(r["members"] == 2 for r in records.values())
-        lags = [records[k]["applied_after_steps"] for k in range(1, 6)]  # the 6th: the run's end waits for it
-        assert all(1 <= lag <= 5 for lag in lags) and min(lags) < 5, lags
-        assert f"applied {min(lags)} steps late" in c.log("a")
+        lags = {}
+        for name in ("a", "b"):
+            records = c.outer_records(name)
+            assert sorted(records) == [1, 2, 3, 4, 5, 6] and all(r["members"] == 2 for r in records.values())
+            lags[name] = [records[k]["applied_after_steps"] for k in range(1, 6)]  # the 6th: the run's end waits
+            assert all(1 <= lag <= 5 for lag in lags[name]), lags
+        behind = min(lags, key=lambda name: sum(lags[name]))  # the node that launches last
+        assert min(lags[behind]) < 5, lags
+        assert f"applied {min(lags[behind])} steps late" in c.log(behind)
         # The run ends on the average: the last outer step is applied to the model too (both nodes' final
         # eval, on the same weights and data, is the same number).
         evals = [[r["eval_loss"] for r in c.metrics(n) if "eval_loss" in r][-1] for n in ("a", "b")]
