@@ -1,6 +1,8 @@
 """Data: real files through `datasets`, packing with EOS, disjoint ranks, exact resume."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from prime.data.loader import (BatchIterator, DataConfig, DataPosition, PackedSe
                                train_and_eval_files, worker_shards)
 from prime.data.shards import Shard, iter_documents, iter_records, make_shards
 from prime.data.tokenizer import ByteTokenizer
+from tests.conftest import REPO, child_env
 
 
 def _write_jsonl(path, docs):
@@ -106,3 +109,28 @@ def test_shards_split_a_file(tmp_path):
     got = [[t for _, t in iter_documents(s, "text")] for s in parts]
     assert got == [["0", "3", "6", "9"], ["1", "4", "7"], ["2", "5", "8"]]
     assert eval_shards([str(tmp_path / "a.jsonl")], 1, 2) == [Shard(str(tmp_path / "a.jsonl"), 1, 2)]
+
+
+READ_AFTER_THE_MODEL = """
+import sys
+import prime.model  # what a node imports before it reads: transformers, and with it huggingface_hub
+from prime.data.shards import Shard, iter_documents
+
+lookups = []
+sys.addaudithook(lambda event, args: event in ("socket.getaddrinfo", "socket.connect") and lookups.append(args[:2]))
+for _ in range(3):
+    docs = [t for _, t in iter_documents(Shard(sys.argv[1]), "text")]
+print(len(docs), lookups)
+"""
+
+
+def test_reading_a_local_shard_opens_no_connection(tmp_path):
+    """`datasets` counts a download with a HEAD to the hub on every open, local files included, and its
+    off switch is read at import time: a node paid a DNS lookup per shard lease (a timeout where DNS
+    hangs). Run the way a node runs (model code imported first), in its own interpreter: an audit hook
+    sees every lookup and connection."""
+    _write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    result = subprocess.run([sys.executable, "-c", READ_AFTER_THE_MODEL, str(tmp_path / "a.jsonl")], cwd=REPO,
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["2", "[]"], result.stdout

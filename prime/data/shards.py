@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -76,13 +75,14 @@ def iter_records(shard: Shard, text_field: str, start: int = 0) -> Iterator[tupl
 
     The id is the record's own "id" field when it has one, else "file:line", so it is stable.
     """
-    if "://" not in shard.file:
-        # A local file needs no network, but `datasets` looks a host up on every open unless the hub is
-        # off (0.15 s each here; on a node without working DNS, a resolver timeout per shard).
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     datasets.logging.set_verbosity_error()
+    # `load_dataset` sends a HEAD to the hub's bucket to count a download on every open, even of a local
+    # file: 50 ms each here, up to its 3 s timeout on a node whose DNS hangs, once per shard lease. The
+    # variable that turns it off is read when `datasets` is first imported (by then often already done,
+    # by `transformers`), so it is set where it is read.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     builder = _FORMATS[Path(shard.file).suffix]
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     stream = datasets.load_dataset(builder, data_files=shard.file, split="train", streaming=True, **kwargs)
