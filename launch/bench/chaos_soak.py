@@ -119,7 +119,7 @@ def soak(args) -> dict:
         wan = WanTopology(["coordinator", *names, *[f"joiner{i}" for i in range(JOINER_HOSTS)]], args.wan).up()
         print(wan.describe().split(";")[0])
     rng = random.Random(args.seed)
-    kinds = KINDS + (["partition"] if wan else [])
+    kinds = list(getattr(args, "kinds", None) or KINDS) + (["partition"] if wan else [])
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="prime-soak-"))
     cluster = LocalCluster(run_dir, "configs/debug.toml", overrides, wan=wan, coordinator_args=[
         "--lease-s", str(LEASE_S), "--heartbeat-s", "0.5", "--min-wait-s", "2"])
@@ -253,6 +253,14 @@ def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
             "gaps_or_overlaps": len(report.chain_errors), "summary": report.summary()}
 
 
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {unknown or text!r}; choose from {','.join(KINDS)}")
+    return kinds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="example: python launch/bench/chaos_soak.py --faults 100 --nodes 3")
@@ -263,6 +271,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every-kind-in-turn", action="store_true",
                         help="inject the kinds in a fixed rotation instead of at random (the smoke test does)")
+    parser.add_argument("--kinds", type=_kinds, default=None, metavar="KIND,KIND",
+                        help=f"only these kinds of fault (default: all of {','.join(KINDS)})")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
     args = parser.parse_args()
