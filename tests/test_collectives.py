@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import multiprocessing as mp
 import socket
 
 import pytest
 import torch
 
 from elastic_mesh.codecs import BLOCK, codec_for
+from tests.conftest import member_processes
 
 
 def _free_port() -> int:
@@ -79,7 +79,7 @@ def _lie(pg, x, codec, world, queue):
 
 
 def run_members(world, size, compression="int8", special="", streams=1):
-    ctx = mp.get_context("spawn")
+    ctx = member_processes(__name__)
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_member, args=(r, world, port, size, compression, special, queue, streams))
@@ -198,7 +198,7 @@ def _ring_member(rank, world, port, size, queue):
 
 def test_measured_ring_avoids_a_slow_route_and_gives_the_same_bits():
     world, size = 4, 50_000
-    ctx = mp.get_context("spawn")
+    ctx = member_processes(__name__)
     queue, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_ring_member, args=(r, world, port, size, queue)) for r in range(world)]
     for p in procs:
@@ -240,7 +240,7 @@ def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
     """Loopback moves these bytes in milliseconds; paced, the same all-reduce takes about spread_s, and
     a member that asked for no pacing paces and cuts its transfers like the others."""
     world, size, spread_s = 3, 600_000, 2.0
-    ctx = mp.get_context("spawn")
+    ctx = member_processes(__name__)
     queue, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_paced_member, args=(r, world, port, size, spread_s, queue)) for r in range(world)]
     for p in procs:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -11,6 +10,8 @@ import time
 
 import pytest
 import torch
+
+from tests.conftest import member_processes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
 
@@ -73,7 +74,7 @@ def _member(rank, world, port, queue, intruder_port):
 
 
 def _run(world, intruder_port=0):
-    ctx = mp.get_context("spawn")
+    ctx = member_processes(__name__)
     queue, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_member, args=(r, world, port, queue, intruder_port)) for r in range(world)]
     for p in procs:
