@@ -119,7 +119,7 @@ def soak(args) -> dict:
         wan = WanTopology(["coordinator", *names, *[f"joiner{i}" for i in range(JOINER_HOSTS)]], args.wan).up()
         print(wan.describe().split(";")[0])
     rng = random.Random(args.seed)
-    kinds = list(getattr(args, "kinds", None) or KINDS) + (["partition"] if wan else [])
+    kinds = list(args.kinds or KINDS) + (["partition"] if wan else [])
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="prime-soak-"))
     cluster = LocalCluster(run_dir, "configs/debug.toml", overrides, wan=wan, coordinator_args=[
         "--lease-s", str(LEASE_S), "--heartbeat-s", "0.5", "--min-wait-s", "2"])
