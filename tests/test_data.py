@@ -111,9 +111,10 @@ def test_shards_split_a_file(tmp_path):
     assert eval_shards([str(tmp_path / "a.jsonl")], 1, 2) == [Shard(str(tmp_path / "a.jsonl"), 1, 2)]
 
 
-READ_AFTER_THE_MODEL = """
+READ_A_SHARD = """
 import sys
-import prime.model  # what a node imports before it reads: transformers, and with it huggingface_hub
+if sys.argv[2] == "model first":
+    import prime.model  # what a node imports before it reads: transformers, and with it huggingface_hub
 from prime.data.shards import Shard, iter_documents
 
 lookups = []
@@ -124,13 +125,14 @@ print(len(docs), lookups)
 """
 
 
-def test_reading_a_local_shard_opens_no_connection(tmp_path):
+@pytest.mark.parametrize("order", ["model first", "data first"])
+def test_reading_a_local_shard_opens_no_connection(tmp_path, order):
     """`datasets` counts a download with a HEAD to the hub on every open, local files included, and its
     off switch is read at import time: a node paid a DNS lookup per shard lease (a timeout where DNS
-    hangs). Run the way a node runs (model code imported first), in its own interpreter: an audit hook
-    sees every lookup and connection."""
+    hangs). Run the way a node runs (model code imported first) and the other way round, each in its own
+    interpreter: an audit hook sees every lookup and connection."""
     _write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
-    result = subprocess.run([sys.executable, "-c", READ_AFTER_THE_MODEL, str(tmp_path / "a.jsonl")], cwd=REPO,
+    result = subprocess.run([sys.executable, "-c", READ_A_SHARD, str(tmp_path / "a.jsonl"), order], cwd=REPO,
                             env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["2", "[]"], result.stdout
