@@ -242,6 +242,12 @@ class ElasticDeviceMesh:
         answer["hashes"] = {int(k): v for k, v in answer["hashes"].items()}
         return answer
 
+    def will_join(self, outer_step: int) -> bool:
+        """Tells the coordinator the outer step this node, still catching up, will be back for, so that
+        step's barrier waits for it (up to the deadline). False if that step's members are fixed already."""
+        return self._leader_call(lambda: self.client.post("/v1/will_join", {"outer_step": outer_step}))[
+            "status"] == "ok"
+
     def wait_commit(self, after: int) -> int:
         """Blocks until an outer step after `after` commits; returns the last committed step."""
         answer = self._leader_call(lambda: self.client.long_poll(

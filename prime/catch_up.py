@@ -38,6 +38,13 @@ class CatchUp:
         # moments of the same step, while the round in flight still runs.
         inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
         if self.outer_step * self.config.sync_period < trainer.config.train.max_steps:
+            # Back for the step after the one in flight: its barrier waits for this node's replay of
+            # the one in flight, whose successor the overlapped modes launch moments after it commits.
+            for _ in range(3):
+                if self.mesh.will_join(self.outer_step + 2):
+                    break
+                more_fetched, more_replayed = self._bring_to_newest(full=False)  # the run moved on meanwhile
+                fetched, replayed = fetched + more_fetched, replayed + more_replayed
             self.mesh.wait_commit(self.outer_step)
             more_fetched, more_replayed = self._bring_to_newest(full=False)
             fetched, replayed = fetched + more_fetched, replayed + more_replayed
@@ -98,7 +105,8 @@ class CatchUp:
                     raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
                                         f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
                 log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
-                time.sleep(min(1.0 * attempt, 5.0))
+                # Soon at first: the newest update is usually published a moment after the step commits.
+                time.sleep(min(0.25 * 4 ** (attempt - 1), 5.0))
 
     def _agreed(self, fetch):
         """Runs fetch() on every local rank; all or none succeed (so the collectives that follow stay aligned)."""

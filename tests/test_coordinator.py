@@ -178,6 +178,43 @@ def test_late_node_is_left_out_after_the_deadline(coordinator, tmp_path):
         stop.set()
 
 
+def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_for(coordinator, tmp_path):
+    """c joins after step 1 and says it will be back for step 3: step 2 goes without it at once, and
+    step 3's barrier waits for it although, when a is ready, c holds no committed step yet (it commits
+    its replay of step 2 half a second later). Without the promise step 3 would go without c at once."""
+    a = joined(coordinator, tmp_path, "a")
+    stop, clients = threading.Event(), [a]
+    threading.Thread(target=lambda: [([c.post("/v1/heartbeat", {}) for c in list(clients)], time.sleep(0.2))
+                                     for _ in iter(lambda: stop.is_set(), True)], daemon=True).start()
+
+    def step_alone(step):
+        plan = _ready(a, step)
+        assert plan["world_size"] == 1 and _vote(a, plan) == "apply"
+        a.post("/v1/commit", {"outer_step": step, "model_hash": f"h{step}"})
+    try:
+        step_alone(1)
+        c = joined(coordinator, tmp_path, "c")
+        clients.append(c)
+        assert c.post("/v1/will_join", {"outer_step": 1})["status"] == "missed"
+        with pytest.raises(CoordinatorError, match="more than one step after"):
+            c.post("/v1/will_join", {"outer_step": 4}, retry=False)
+        assert c.post("/v1/will_join", {"outer_step": 3})["status"] == "ok"
+        started = time.monotonic()
+        step_alone(2)  # c said 3, not 2: nobody waits for it here
+        assert time.monotonic() - started < 0.9
+
+        def c_replays_then_joins():
+            time.sleep(0.5)
+            c.post("/v1/commit", {"outer_step": 2, "model_hash": "h2"})
+            return _ready(c, 3)
+        pa, pc = _together(lambda: _ready(a, 3), c_replays_then_joins)
+        assert pa["status"] == pc["status"] == "go" and pa["world_size"] == pc["world_size"] == 2, (pa, pc)
+        assert c.post("/v1/will_join", {"outer_step": 3})["status"] == "missed"  # its members are fixed
+        assert not any("left out" in e["text"] for e in a.get_status()["events"])
+    finally:
+        stop.set()
+
+
 def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
     config = CoordinatorConfig(lease_s=30, poll_s=1.0)
     server = start_coordinator(tmp_path / "coord", config=config)

@@ -48,6 +48,7 @@ class Coordinator:
         self.votes: dict[tuple[int, int], dict[str, dict]] = defaultdict(dict)
         self.round_times: deque[float] = deque(maxlen=20)
         self.last_ready_at: dict[str, float] = {}
+        self.expected: dict[str, int] = {}  # node_id -> the outer step a node still catching up will be back for
         self.started = time.monotonic()
         self.heard_from: set[str] = set()  # nodes that made a request to this process (not just in the state)
         self.telemetry = TelemetryLog(state)
@@ -263,6 +264,23 @@ class Coordinator:
             return self.declare_ready(node, body)
         return None
 
+    def will_join(self, node: Node, body: dict) -> dict:
+        """A node catching up names the outer step it will be back for. That step's barrier waits for it
+        as for a node holding the step before (up to the deadline): otherwise a node that replays the
+        newest step just as the others launch the next (streaming launches one every H/F inner steps)
+        commits a moment after that step's members were fixed and is left out of it, over and over."""
+        step = int(body["outer_step"])
+        with self.lock:
+            committed = self.state.committed_step()
+            if step > committed + 2:
+                raise Refused(409, f"outer step {step} is more than one step after the one in flight "
+                                   f"(last committed {committed}); a node can only say it will be back for "
+                                   f"the step after the next")
+            if step <= committed or self._open_attempt(step) is not None:
+                return {"status": "missed", "committed_step": committed}
+            self.expected[node.node_id] = step
+            return {"status": "ok", "committed_step": committed}
+
     def deadline_s(self) -> float:
         measured = statistics.median(self.round_times) if self.round_times else 0.0
         return max(self.config.min_wait_s, self.config.deadline_factor * measured)
@@ -280,7 +298,8 @@ class Coordinator:
         waited = time.monotonic() - self.first_ready.get(step, time.monotonic())
         # Only nodes that hold the last committed state are waited for; one still catching up (a joiner
         # fetching a snapshot, a straggler replaying) never holds the others back.
-        in_step = {nid for nid, n in live.items() if n.outer_step == step - 1 and not n.needs_resync}
+        in_step = {nid for nid, n in live.items() if not n.needs_resync
+                   and (n.outer_step == step - 1 or self.expected.get(nid) == step)}
         if not in_step <= set(ready) and waited < self.deadline_s():
             return
         # The first step, and the first after a whole-run resume, waits for start_nodes (not the first to arrive).
@@ -306,6 +325,7 @@ class Coordinator:
                 self.state.event(f"outer step {step}: left out late node(s) {', '.join(late)} after {waited:.1f} s")
         self.ready.pop(step, None)
         self.first_ready.pop(step, None)
+        self.expected = {nid: s for nid, s in self.expected.items() if s > step}
         log.info("outer step %d attempt %d: epoch %d with %d node(s)%s", step, decision.attempt, epoch,
                  len(members), f", without late {', '.join(late)}" if late else "")
         self.changed.notify_all()

@@ -179,6 +179,7 @@ _ROUTES = {
     "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.declare_ready(c.state.node(n.node_id), b)),
     "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.vote(c.state.node(n.node_id), b)),
     "/v1/commit": lambda c, n, b: c.commit(n, b),
+    "/v1/will_join": lambda c, n, b: c.will_join(n, b),
     "/v1/sources": lambda c, n, b: c.sources(n),
     "/v1/data/lease": lambda c, n, b: c.lease_data(n, b),
     "/v1/wait_commit": lambda c, n, b: _long_poll(c, lambda: (
