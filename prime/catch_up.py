@@ -13,7 +13,7 @@ from elastic_mesh.codecs import codec_for
 from elastic_mesh.collectives import decode_wire
 from elastic_mesh.mesh import node_hash
 from elastic_mesh.snapshots import SnapshotError
-from prime.optim import load_adam_state
+from prime.optim import bound_first_moment, load_adam_state
 from prime.outer_optimizer import local_shards
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,11 @@ class CatchUp:
                 # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
                 # from a different one (mixed) and the download uses every source's uplink.
                 _, tensors, report = self.mesh.fetch(sources, "inner", self._snapshot_fetched, work_dir, mixed=True)
+                betas = trainer.optimizer.param_groups[0].get("betas")  # none: SGD, which keeps no moments
+                bounded = bound_first_moment(tensors, betas) if betas else 0
+                if bounded:
+                    log.info("%s: %d of %d first moments bounded (taken from another peer than their second "
+                             "moments)", self.mesh.name, bounded, tensors["exp_avg"].numel())
                 load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
                 return report.total_bytes
             try:

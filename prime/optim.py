@@ -90,6 +90,31 @@ def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[torch.Tens
     return {"exp_avg": flat(avg), "exp_avg_sq": flat(sq), "step": torch.tensor([step])}
 
 
+def bound_first_moment(tensors: dict[str, torch.Tensor], betas: tuple[float, float]) -> int:
+    """Makes moments whose first and second halves may come from different peers safe to step with: clamps
+    |exp_avg| to the largest value one gradient history could give with this exp_avg_sq. Returns how
+    many values it changed.
+
+    A joiner takes each chunk of the moments from any peer, so an element's exp_avg and exp_avg_sq can
+    come from two histories. Where one peer saw a rare token's embedding row and the other never did,
+    exp_avg is set and exp_avg_sq is 0, and AdamW's first step moves that value by lr × exp_avg / eps:
+    seen here as a pseudo-gradient 400× the others' median, refused by every peer. One history obeys,
+    by Cauchy-Schwarz over m = (1−β1) Σ β1^k g_k and v = (1−β2) Σ β2^k g_k²,
+    m² ≤ (1−β1)²/(1−β2) · Σ_{k<t} (β1²/β2)^k · v, so the clamp never touches moments of one peer."""
+    beta1, beta2 = betas
+    steps = max(1.0, float(tensors["step"][0]))
+    ratio = beta1 * beta1 / beta2
+    series = steps if abs(ratio - 1.0) < 1e-12 else (1.0 - ratio ** steps) / (1.0 - ratio)
+    # 1e-3 of slack: float rounding of a history that sits on the bound must not count as a disagreement.
+    limit = tensors["exp_avg_sq"].sqrt() * ((1.0 - beta1) * math.sqrt(series / (1.0 - beta2)) * 1.001)
+    avg = tensors["exp_avg"]
+    over = avg.abs() > limit
+    changed = int(over.sum())
+    if changed:
+        avg.copy_(torch.where(over, avg.sign() * limit, avg))
+    return changed
+
+
 def load_adam_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
     """The inverse of adam_state_tensors, into an optimizer over the same (same-sharded) parameters."""
     sizes = [_local(p).numel() for p in params]

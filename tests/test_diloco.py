@@ -106,6 +106,51 @@ def test_adam_moments_move_to_another_optimizer_and_step_identically():
         load_adam_state(peer_opt, list(peer.parameters())[:2], moments)
 
 
+def test_moments_mixed_from_two_peers_are_bounded_and_one_peers_are_untouched():
+    """A joiner takes each chunk of the AdamW moments from any peer, so a value's exp_avg may come from a
+    peer that saw its embedding row and its exp_avg_sq from one that never did (0): AdamW's next step
+    would then move it by lr × exp_avg / eps. bound_first_moment clamps exactly such pairs and leaves
+    every pair of one history as it is (sparse, noisy and growing gradients alike)."""
+    from prime.optim import adam_state_tensors, bound_first_moment, load_adam_state
+
+    betas, lr = (0.9, 0.95), 1e-2
+
+    def peer(tokens: range, seed: int) -> tuple[torch.nn.Embedding, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        emb = torch.nn.Embedding(32, 8)
+        opt = torch.optim.AdamW(emb.parameters(), lr=lr, betas=betas, foreach=True)
+        for step in range(40):
+            ids = torch.tensor([t for t in tokens if torch.rand(()) < 0.5] or [tokens[0]])
+            (emb(ids) * (1 + step) * torch.randn(len(ids), 8)).sum().backward()  # growing, noisy, sparse
+            opt.step()
+            opt.zero_grad()
+        return emb, opt
+
+    a, a_opt = peer(range(0, 20), 0)   # never sees tokens 20..31
+    b, b_opt = peer(range(12, 32), 1)  # never sees tokens 0..11
+    for emb, opt in ((a, a_opt), (b, b_opt)):
+        own = adam_state_tensors(opt, list(emb.parameters()))
+        kept = {k: v.clone() for k, v in own.items()}
+        assert bound_first_moment(own, betas) == 0 and all(torch.equal(own[k], kept[k]) for k in own)
+
+    mixed = adam_state_tensors(b_opt, list(b.parameters()))
+    mixed["exp_avg"] = adam_state_tensors(a_opt, list(a.parameters()))["exp_avg"]  # chunks from two peers
+
+    def one_step(moments) -> float:
+        model = torch.nn.Embedding(32, 8)
+        model.load_state_dict(b.state_dict())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0, foreach=True)
+        load_adam_state(opt, list(model.parameters()), moments)
+        model(torch.tensor([3, 25])).sum().backward()
+        opt.step()
+        return float((model.weight - b.weight).detach().abs().max())
+
+    assert one_step({k: v.clone() for k, v in mixed.items()}) > 1000 * lr  # rows 0..11: exp_avg / eps
+    changed = bound_first_moment(mixed, betas)
+    assert changed >= 12 * 8 and changed < mixed["exp_avg"].numel(), changed
+    assert one_step(mixed) < 3 * lr  # an ordinary AdamW step
+
+
 def test_fragments_cover_every_parameter_once_and_step_alone():
     assert split_evenly([10, 10, 10, 10], 2) == [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10), (3, 0, 10)]]
     # One big tensor is cut, not left to make its fragment the largest.

@@ -5,14 +5,17 @@ core 1 with the user-space link emulator, --down-mbit download) starts mid-run. 
 from all S sources at once, waits for the next commit, replays it, and enters the following round.
 Printed per S: snapshot bytes, download time against bytes / min(S × up, down), catch-up time against
 its lower bound (download at link rate + the rest of the round it arrived in), time to its first
-contribution, and the sources' tokens/s during the join against the same span just before it.
+contribution, the outer steps it was left out of after catching up (it must then catch up again), and
+the sources' tokens/s during the join against the same span just before it.
 
     python launch/bench/join.py [--sources 1 3] [--up-mbit 20] [--down-mbit 100] [--latency-ms 20]
+                                [--mode streaming --fragments 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -36,8 +39,11 @@ def trial(sources: int, args, corpus: Path) -> dict:
     up = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.up_mbit, down_mbit=args.down_mbit)
     overrides = ["--data.path", str(corpus), "--train.max_steps", "100000", "--diloco.inner_steps", "10",
                  "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.6",
-                 "--mesh.transfer_timeout_s", "120", "--train.log_every", "1000", *MODEL]
-    with WanTopology(["coordinator", *names, "joiner"], up) as wan, tempfile.TemporaryDirectory() as tmp:
+                 "--mesh.transfer_timeout_s", "120", "--train.log_every", "1000", *MODEL,
+                 "--diloco.mode", args.mode, "--diloco.fragments", str(args.fragments)]
+    work = (contextlib.nullcontext(tempfile.mkdtemp(prefix=f"join-{sources}-", dir=args.keep)) if args.keep
+            else tempfile.TemporaryDirectory())
+    with WanTopology(["coordinator", *names, "joiner"], up) as wan, work as tmp:
         if wan._emulator is not None:  # the user-space link emulator is the harness's cost, not the sources'
             subprocess.run(["taskset", "-a", "-p", "-c", "1", str(wan._emulator.pid)], check=True,
                            capture_output=True)
@@ -51,6 +57,7 @@ def trial(sources: int, args, corpus: Path) -> dict:
             c.start_node("joiner", cpus="1")
             caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
             first = wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step")
+            catch_ups = [r for r in c.metrics("joiner") if "caught_up_to" in r]
             log = c.log("joiner")
             steps = [r for r in c.metrics(names[0]) if "loss" in r]
             c.stop()
@@ -66,6 +73,8 @@ def trial(sources: int, args, corpus: Path) -> dict:
     return {"sources": sources, "backend": backend, "snapshot_mb": bytes_ / 1e6, "download_s": caught["download_s"],
             "ideal_download_s": ideal_download, "catch_up_s": caught["catch_up_s"],
             "first_contribution_s": first[first_step]["time"] - admitted, "replayed": caught["replayed"],
+            # Each step between its first catch-up and its first contribution is one it was left out of.
+            "left_out": first_step - caught["caught_up_to"] - 1, "catch_ups": len(catch_ups),
             "others_ratio": statistics.median(during) / statistics.median(before) if during and before else float("nan"),
             "samples": (len(before), len(during)), "process_start_s": admitted - started}
 
@@ -89,17 +98,24 @@ def main() -> int:
     parser.add_argument("--up-mbit", type=float, default=20.0)
     parser.add_argument("--down-mbit", type=float, default=100.0)
     parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--mode", choices=["blocking", "delayed", "streaming"], default="blocking",
+                        help="diloco.mode of every node")
+    parser.add_argument("--fragments", type=int, default=5, help="diloco.fragments (streaming)")
+    parser.add_argument("--keep", default="", metavar="DIR", help="keep each trial's run directory (logs, metrics) under DIR")
     args = parser.parse_args()
     corpus = prepare()
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
     rows = [trial(s, args, corpus) for s in args.sources]
     print(f"join over links of {args.up_mbit:g} Mbit/s up per source, {args.down_mbit:g} Mbit/s down at the joiner, "
-          f"{args.latency_ms:g} ms one way (backend {rows[0]['backend']})")
+          f"{args.latency_ms:g} ms one way, mode {args.mode} (backend {rows[0]['backend']})")
     print(f"{'sources':>7} {'snapshot MB':>11} {'download s':>10} {'at link rate s':>14} {'catch-up s':>10} "
-          f"{'first contribution s':>20} {'replayed':>8} {'others tok/s during/before':>26}")
+          f"{'first contribution s':>20} {'replayed':>8} {'left out':>8} {'catch-ups':>9} "
+          f"{'others tok/s during/before':>26}")
     for r in rows:
         print(f"{r['sources']:>7} {r['snapshot_mb']:>11.1f} {r['download_s']:>10.2f} {r['ideal_download_s']:>14.2f} "
               f"{r['catch_up_s']:>10.2f} {r['first_contribution_s']:>20.1f} {r['replayed']:>8} "
-              f"{r['others_ratio']:>26.3f}")
+              f"{r['left_out']:>8} {r['catch_ups']:>9} {r['others_ratio']:>26.3f}")
     print("catch-up = download + wait for the round in flight to commit + replay; times from the joiner's admission")
     return 0
 
