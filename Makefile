@@ -18,7 +18,7 @@ demo: setup
 	$(PY) launch/local.py --nodes 2 --config configs/cpu-demo.toml --run-dir runs/demo
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 clean:
 	rm -rf runs .pytest_cache
