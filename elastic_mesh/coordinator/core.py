@@ -1,4 +1,4 @@
-"""The coordinator's decisions: admission, leases, the members of each outer step, votes, commits.
+"""The coordinator's decisions: leases, the members of each outer step, votes, commits (admission: admission.py).
 
 All methods are called from HTTP handler threads under one lock; long-polls wait on its condition.
 Leases are timed on this process's monotonic clock only: no wall clocks are compared across machines.
@@ -6,7 +6,6 @@ Leases are timed on this process's monotonic clock only: no wall clocks are comp
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -17,7 +16,8 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from elastic_mesh.coordinator.config import CoordinatorConfig, Refused, check_shared_settings
+from elastic_mesh.coordinator.admission import Admission, hash_session
+from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
 from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
 from elastic_mesh.coordinator.telemetry import TelemetryLog
@@ -32,11 +32,7 @@ class Ready:
     contributes: bool
 
 
-def _hash_session(session: str) -> str:
-    return hashlib.sha256(session.encode()).hexdigest()
-
-
-class Coordinator:
+class Coordinator(Admission):
     def __init__(self, state: CoordinatorState, secret: bytes, run_id: str, config: CoordinatorConfig,
                  address: str) -> None:
         self.state, self.secret, self.run_id, self.config, self.address = state, secret, run_id, config, address
@@ -71,108 +67,6 @@ class Coordinator:
             if node.state == "active":
                 self.leases[node.node_id] = now + config.lease_s * 2  # grace for nodes to reconnect
 
-    # ---- admission -------------------------------------------------------------------------------
-    def join(self, body: dict, peer: str = "") -> dict:
-        """Admits a node with a valid token; `peer` is the address its request came from."""
-        try:
-            verify_token(self.secret, self.run_id, str(body.get("token", "")))
-        except TokenError as e:
-            raise Refused(403, str(e)) from None
-        name = str(body.get("name", ""))[:64] or "node"
-        fingerprint, procs = str(body.get("fingerprint", "")), int(body.get("procs_per_node", 0))
-        model_hash, address = str(body.get("model_hash", "")), str(body.get("address", ""))[:256] or peer
-        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
-        snapshot = [f"{host}:{int(p)}" for p in list(body.get("snapshot_ports") or [])[:64]]
-        data_shards, data_id = int(body.get("data_shards", 0)), str(body.get("data_fingerprint", ""))[:64]
-        restored = int(body.get("restored_step", 0))
-        if restored:
-            self._wait_for_reconnects()
-        with self.lock, self.state.transaction():
-            run_fp = self.state.get_meta("fingerprint")
-            run_procs = self.state.get_meta("procs_per_node")
-            if run_fp is not None and run_fp != fingerprint:
-                raise Refused(409, f"model/config fingerprint {fingerprint} differs from the run's {run_fp}; "
-                                   "start the node with the run's config (same model, seq_len, tokenizer, seed)")
-            if run_procs is not None and int(run_procs) != procs:
-                raise Refused(409, f"this node runs {procs} processes but the run's nodes run {run_procs} "
-                                   f"(global groups pair shards by local rank); use --nproc-per-node {run_procs}")
-            run_protocol = json.loads(self.state.get_meta("protocol") or "null")
-            protocol = check_shared_settings(run_protocol, body.get("protocol") or {})
-            if run_protocol is None:
-                self.state.set_meta("protocol", json.dumps(protocol, sort_keys=True))
-            run_data = self.state.get_meta("data_fingerprint")
-            if data_shards and run_data is not None and (run_data != data_id or self.ledger.shards != data_shards):
-                raise Refused(409, f"this node's data ({data_shards} shards, fingerprint {data_id}) differs from the "
-                                   f"run's ({self.ledger.shards} shards, fingerprint {run_data}); give it the same "
-                                   "files in the same order and the same data.parts_per_file")
-            if data_shards and run_data is None:
-                self.state.set_meta("data_fingerprint", data_id)
-                self.ledger.configure(data_shards)
-            committed = self.state.committed_step()
-            if restored:
-                committed = self._admit_restored(restored, model_hash, committed)
-            initial = self.state.get_meta("initial_hash")
-            if committed == 0 and initial is not None and initial != model_hash:
-                raise Refused(409, f"initial weights differ: hash {model_hash} but the run started from {initial}; "
-                                   "use the run's train.seed and model config")
-            if run_fp is None:
-                self.state.set_meta("fingerprint", fingerprint)
-                self.state.set_meta("procs_per_node", procs)
-                self.state.set_meta("initial_hash", model_hash)
-            index = int(self.state.get_meta("next_node_index", "0"))
-            self.state.set_meta("next_node_index", index + 1)
-            session = secrets.token_hex(24)
-            taken = {n.name for n in self.state.nodes() if n.state == "active"}
-            # A newcomer holds no committed state (outer step 0 only while nothing has committed yet), a
-            # resumed node the step of its checkpoint.
-            node = Node(secrets.token_hex(6), f"{name}-{index}" if name in taken else name,
-                        _hash_session(session), index, "active", time.time(), restored, model_hash, address,
-                        snapshot=json.dumps(snapshot))
-            self.state.put_node(node)
-            self.state.event(f"{node.name} joined at outer step {committed}" +
-                             (f" (resumed from its checkpoint of outer step {restored})" if restored else ""))
-            self.leases[node.node_id] = time.monotonic() + self.config.lease_s
-            self.heard_from.add(node.node_id)
-            self.changed.notify_all()
-        log.info("%s joined (node index %d) at outer step %d", node.name, index, committed)
-        return {"node_id": node.node_id, "session": session, "name": node.name, "node_index": index,
-                "run_id": self.run_id, "committed_step": committed, "lease_s": self.config.lease_s,
-                "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s,
-                "snapshot_key": self.state.get_meta("snapshot_key")}
-
-    def _admit_restored(self, restored: int, model_hash: str, committed: int) -> int:
-        """A node resumed from its checkpoint of outer step `restored`: checks it against the hash the run
-        committed, and rolls the run back to it when no live node holds anything newer (the whole run was
-        stopped and is being resumed). Returns the run's committed step afterwards."""
-        expected = self.state.committed_hashes(limit=1 << 30).get(restored)
-        if restored > committed or expected is None:
-            raise Refused(409, f"this node's checkpoint is of outer step {restored}, which this run never committed "
-                               f"(committed: {committed}); resume it from a checkpoint of this run")
-        if expected != model_hash:
-            raise Refused(409, f"this node's checkpoint of outer step {restored} hashes to {model_hash}, the run "
-                               f"committed {expected}; it is not this run's state")
-        newest_held = max((n.outer_step for n in self.live_nodes() if n.node_id in self.heard_from), default=0)
-        if committed > restored and newest_held <= restored:
-            self._roll_back(committed, restored)
-            return restored
-        return committed
-
-    def _wait_for_reconnects(self) -> None:
-        """Nodes known from before a coordinator restart get a grace period to reconnect: a resumed node's
-        join waits it out (outside any transaction) before concluding that nobody holds newer steps."""
-        give_up = time.monotonic() + 2 * self.config.lease_s + 1
-        with self.lock:
-            while any(n.node_id not in self.heard_from for n in self.live_nodes()) and time.monotonic() < give_up:
-                self.changed.wait(timeout=0.25)
-                self._expire_leases()
-
-    def _roll_back(self, committed: int, to: int) -> None:
-        self.state.roll_back(to)
-        self.ledger.roll_back(to)
-        self.state.event(f"run rolled back from outer step {committed} to {to}: no live node holds a newer state, "
-                         "so it resumes from the nodes' checkpoints (data cursors included)")
-        log.warning("run rolled back from outer step %d to %d (resumed from checkpoints)", committed, to)
-
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
         if self.config.public_status:
             return True
@@ -183,12 +77,12 @@ class Coordinator:
             except TokenError:
                 return False
         node = self.state.node(node_id) if node_id else None
-        return node is not None and hmac.compare_digest(node.session_hash, _hash_session(session or ""))
+        return node is not None and hmac.compare_digest(node.session_hash, hash_session(session or ""))
 
     def authenticate(self, node_id: str, session: str) -> Node:
         """The node making a request, or Refused. Every request but join and status goes through here."""
         node = self.state.node(node_id) if node_id else None
-        if node is None or not hmac.compare_digest(node.session_hash, _hash_session(session or "")):
+        if node is None or not hmac.compare_digest(node.session_hash, hash_session(session or "")):
             raise Refused(401, "unknown node or wrong session; join again with a valid token")
         if node.state != "active":
             raise Refused(410, f"{node.name} was declared {node.state}; join again to continue")
