@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_mesh.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
-from elastic_mesh.snapshots import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
-from elastic_mesh.socket_pacing import GroupSockets, NewConnections
-from elastic_mesh.store import CoordinatorStore
-from elastic_mesh.topology import LinkEstimates
-from elastic_mesh.token import read_token
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
+from elastic_mesh.transfer.snapshots import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
+from elastic_mesh.wire.socket_pacing import GroupSockets, NewConnections
+from elastic_mesh.control.store import CoordinatorStore
+from elastic_mesh.wire.topology import LinkEstimates
+from elastic_mesh.control.token import read_token
 
 log = logging.getLogger(__name__)
 

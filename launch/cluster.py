@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mesh.process_tree import kill_tree
+from elastic_mesh.control.process_tree import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,6 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(PYTHONUNBUFFERED="1", PRIME_PLAIN_LOGS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -44,7 +43,7 @@ class LocalCluster:
     def __init__(self, run_dir: Path, config: str, overrides: list[str] | None = None, nproc_per_node: int = 1,
                  coordinator_args: list[str] | None = None, echo: bool = False, show_steps: bool = False,
                  wan=None) -> None:
-        """wan: a launch.wan.WanTopology that is up, with a host "coordinator" and one per node name;
+        """wan: a launch.wan.harness.WanTopology that is up, with a host "coordinator" and one per node name;
         every process then runs in its host's namespace and talks over the emulated links."""
         self.run_dir, self.config, self.nproc, self.wan = Path(run_dir), config, nproc_per_node, wan
         self.overrides, self.coordinator_args = overrides or [], coordinator_args or []

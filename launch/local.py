@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launch.cluster import REPO, LocalCluster  # noqa: E402
+from launch.cluster import REPO, LocalCluster
 
 
 def summarize(cluster: LocalCluster, names: list[str]) -> bool:

@@ -16,14 +16,14 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from elastic_mesh.mesh import MeshConfig
-from prime.chaos import ChaosConfig
-from prime.checkpoint import CheckpointConfig
+from prime.testing.faults import ChaosConfig
+from prime.core.checkpoint import CheckpointConfig
 from prime.data.loader import DataConfig
-from prime.diloco_config import DilocoConfig
-from prime.metrics import MetricsConfig
-from prime.model import ModelConfig
-from prime.optim import OptimConfig
-from prime.train_config import TrainConfig
+from prime.diloco.config import DilocoConfig
+from prime.core.metrics import MetricsConfig
+from prime.core.model import ModelConfig
+from prime.core.optim import OptimConfig
+from prime.pretrain.config import TrainConfig
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from prime.cli import setup_logging, split_overrides
+from prime.core.cli import setup_logging, split_overrides
 from prime.config import ConfigError, describe_fields, load_config
 
 USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--join TOKEN [--name NAME]] [--resume] [--quiet]
@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from elastic_mesh.client import CoordinatorError
-    from elastic_mesh.token import TokenError
-    from prime.distributed import close_local_group, init_local_group
-    from prime.node import attach_to_run
-    from prime.trainer import Trainer
+    from elastic_mesh.control.client import CoordinatorError
+    from elastic_mesh.control.token import TokenError
+    from prime.core.distributed import close_local_group, init_local_group
+    from prime.diloco.attach import attach_to_run
+    from prime.pretrain.trainer import Trainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     run_dir = Path(flags.get("run-dir") or Path("runs") / config.name)

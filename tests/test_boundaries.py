@@ -22,6 +22,6 @@ def test_elastic_mesh_never_imports_prime():
 
 
 def test_model_code_knows_nothing_of_parallelism():
-    imports = _imports(REPO / "prime" / "model.py")
-    text = (REPO / "prime" / "model.py").read_text()
+    imports = _imports(REPO / "prime" / "core" / "model.py")
+    text = (REPO / "prime" / "core" / "model.py").read_text()
     assert "elastic_mesh" not in imports and "fully_shard" not in text and "torch.distributed" not in text

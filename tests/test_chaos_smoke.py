@@ -1,6 +1,6 @@
 """Chaos smoke: a running cluster takes hostile input on every port it listens on, plus a forged
 token, and still trains to the end with identical models; then one fault of each kind the injector
-has (launch/chaos.py) that no other test injects, all twelve kinds behind `-m slow`. The full soak is
+has (launch/fault_injector.py) that no other test injects, all twelve kinds behind `-m slow`. The full soak is
 launch/bench/chaos_soak.py (≥ 100 faults at random)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from elastic_mesh.process_tree import descendants
-from elastic_mesh.token import create_token
-from launch.chaos import hostile, listening_ports
+from elastic_mesh.control.process_tree import descendants
+from elastic_mesh.control.token import create_token
+from launch.fault_injector import hostile, listening_ports
 from launch.cluster import LocalCluster
 
 

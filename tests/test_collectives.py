@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 
-from elastic_mesh.codecs import BLOCK, codec_for
+from elastic_mesh.wire.codecs import BLOCK, codec_for
 from tests.conftest import member_processes
 
 
@@ -22,7 +22,7 @@ def _free_port() -> int:
 def _member(rank, world, port, size, compression, special, queue, streams=1):
     import torch.distributed as dist
 
-    from elastic_mesh.collectives import CollectiveError, all_reduce_mean, decode_wire
+    from elastic_mesh.wire.collectives import CollectiveError, all_reduce_mean, decode_wire
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -56,8 +56,8 @@ def _member(rank, world, port, size, compression, special, queue, streams=1):
 
 def _lie(pg, x, codec, world, queue):
     """A hostile member speaking the wire protocol by hand: an honest-looking header, then garbage."""
-    from elastic_mesh.codecs import BLOCK
-    from elastic_mesh.collectives import header_size
+    from elastic_mesh.wire.codecs import BLOCK
+    from elastic_mesh.wire.collectives import header_size
 
     header = torch.tensor([1.0, float(x.norm()), 1.0, float(x.numel()), 0.0, *[0.0] * world, *range(world), 0.0])
     assert header.numel() == header_size(world)
@@ -178,8 +178,8 @@ def _ring_member(rank, world, port, size, queue):
     all-reduce would have measured): the ring must avoid it, and the mean must not change."""
     import torch.distributed as dist
 
-    from elastic_mesh.collectives import all_reduce_mean
-    from elastic_mesh.topology import LinkEstimates
+    from elastic_mesh.wire.collectives import all_reduce_mean
+    from elastic_mesh.wire.topology import LinkEstimates
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -223,7 +223,7 @@ def _paced_member(rank, world, port, size, spread_s, queue):
 
     import torch.distributed as dist
 
-    from elastic_mesh.collectives import all_reduce_mean
+    from elastic_mesh.wire.collectives import all_reduce_mean
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -256,8 +256,8 @@ def test_paced_all_reduce_spreads_its_sends_and_gives_the_same_bits():
 
 
 def test_members_agree_on_the_longest_spread_and_ignore_absurd_ones():
-    from elastic_mesh.collectives import _agree_on_spread, header_size
-    from elastic_mesh.pacing import MIN_PIECE, piece_bytes
+    from elastic_mesh.wire.collectives import _agree_on_spread, header_size
+    from elastic_mesh.wire.pacing import MIN_PIECE, piece_bytes
 
     def header(spread):
         return torch.tensor([1, 1, 1, 100, 0, 0, 0, 0, 1, spread], dtype=torch.float32)

@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from elastic_mesh.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import make_token, start_coordinator
-from elastic_mesh.token import create_token
+from elastic_mesh.control.token import create_token
 
 FACTS = {"fingerprint": "fp1", "procs_per_node": 1, "model_hash": "h0", "address": ""}
 
@@ -219,7 +219,7 @@ def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
     config = CoordinatorConfig(lease_s=30, poll_s=1.0)
     server = start_coordinator(tmp_path / "coord", config=config)
     client = joined(server, tmp_path, "a")
-    from elastic_mesh.store import CoordinatorStore
+    from elastic_mesh.control.store import CoordinatorStore
 
     store = CoordinatorStore(client, "e1/r0/", timeout_s=5)
     store.set("k", b"\x00\x01value")

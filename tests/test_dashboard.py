@@ -1,5 +1,5 @@
 """The coordinator's dashboard, rendered by a real headless Chromium against a running 2-node cluster,
-and `prime.report` over the files that run left behind.
+and `prime.tools.report` over the files that run left behind.
 
 Chromium is Debian's `chromium` package; the fixture installs it when it is missing (root + apt). A
 machine that cannot have it fails this test with the command to run: it never passes without a browser.
@@ -97,7 +97,7 @@ def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
         cluster.stop()
 
     # The report over what the run wrote (nodes' metrics.jsonl + the coordinator's SQLite, read-only).
-    report = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "run")], capture_output=True,
+    report = subprocess.run([sys.executable, "-m", "prime.tools.report", str(tmp_path / "run")], capture_output=True,
                             text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     out = tmp_path / "run" / "report"
@@ -111,11 +111,11 @@ def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
     assert re.search(r"identical across nodes at (\d+) of \1 outer steps", summary), summary
 
     # Any outer step with a checkpoint exports by number, and the export generates text.
-    export = subprocess.run([sys.executable, "-m", "prime.export", str(tmp_path / "run"), "--outer-step", "4", "--out",
+    export = subprocess.run([sys.executable, "-m", "prime.tools.export", str(tmp_path / "run"), "--outer-step", "4", "--out",
                              str(tmp_path / "hf"), "--prompt", "def "], capture_output=True, text=True, timeout=120)
     assert export.returncode == 0, export.stderr
     assert "step_00000020" in export.stdout and "sample: 'def " in export.stdout
-    missing = subprocess.run([sys.executable, "-m", "prime.export", str(tmp_path / "run"), "--outer-step", "3",
+    missing = subprocess.run([sys.executable, "-m", "prime.tools.export", str(tmp_path / "run"), "--outer-step", "3",
                               "--out", str(tmp_path / "hf3")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "outer steps with one: " in missing.stderr
 
@@ -127,12 +127,12 @@ def test_report_of_a_single_node_run_and_of_a_wrong_directory(tmp_path):
                "--checkpoint.every", "0"])
     with open(tmp_path / "single" / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "loss": 2.0, "tok')  # a line cut short by a crash
-    done = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "single")], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "prime.tools.report", str(tmp_path / "single")], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "is not JSON" in done.stderr
     assert "| single | 10 |" in (tmp_path / "single" / "report" / "summary.md").read_text()
     (tmp_path / "empty").mkdir()
-    wrong = subprocess.run([sys.executable, "-m", "prime.report", str(tmp_path / "empty")], capture_output=True,
+    wrong = subprocess.run([sys.executable, "-m", "prime.tools.report", str(tmp_path / "empty")], capture_output=True,
                            text=True, timeout=120)
     assert wrong.returncode == 2 and "no metrics.jsonl" in wrong.stderr
 

@@ -114,7 +114,7 @@ def test_shards_split_a_file(tmp_path):
 READ_A_SHARD = """
 import sys
 if sys.argv[2] == "model first":
-    import prime.model  # what a node imports before it reads: transformers, and with it huggingface_hub
+    import prime.core.model  # what a node imports before it reads: transformers, and with it huggingface_hub
 from prime.data.shards import Shard, iter_documents
 
 lookups = []

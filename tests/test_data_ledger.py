@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
+from elastic_mesh.coordinator.leases import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState
-from prime.data.audit import audit
+from prime.tools.audit import audit
 from prime.data.leased import LeasedSequenceStream
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prime.outer_exchange import plan_pace
+from prime.diloco.exchange import plan_pace
 from tests.test_multinode import assert_exactly_once, assert_identical, cluster, join_midway
 
 DELAYED = ["--diloco.mode", "delayed"]

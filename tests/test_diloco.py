@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_mesh.codecs import codec_for
-from elastic_mesh.collectives import all_reduce_mean
+from elastic_mesh.wire.codecs import codec_for
+from elastic_mesh.wire.collectives import all_reduce_mean
 from launch.cluster import LocalCluster
-from prime.checkpoint import CheckpointStore
+from prime.core.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.outer_optimizer import OuterOptimizer, split_evenly
-from prime.model import build_model
+from prime.diloco.outer_optimizer import OuterOptimizer, split_evenly
+from prime.core.model import build_model
 from tests.conftest import REPO, run_train
 
 
@@ -74,7 +74,7 @@ def test_h1_sgd_diloco_equals_data_parallel_sgd(tmp_path, corpus):
 def test_adam_moments_move_to_another_optimizer_and_step_identically():
     """What a joiner takes from a peer: the moments and step count, loaded into a fresh AdamW over the same
     weights, make the next step exactly the peer's (fresh moments would not)."""
-    from prime.optim import adam_state_tensors, load_adam_state
+    from prime.core.optim import adam_state_tensors, load_adam_state
 
     torch.manual_seed(0)
     peer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -111,7 +111,7 @@ def test_moments_mixed_from_two_peers_are_bounded_and_one_peers_are_untouched():
     peer that saw its embedding row and its exp_avg_sq from one that never did (0): AdamW's next step
     would then move it by lr × exp_avg / eps. bound_first_moment clamps exactly such pairs and leaves
     every pair of one history as it is (sparse, noisy and growing gradients alike)."""
-    from prime.optim import adam_state_tensors, bound_first_moment, load_adam_state
+    from prime.core.optim import adam_state_tensors, bound_first_moment, load_adam_state
 
     betas, lr = (0.9, 0.95), 1e-2
 

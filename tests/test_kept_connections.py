@@ -1,4 +1,4 @@
-"""Kept-open HTTP connections (elastic_mesh/kept_connections.py) against a real HTTP/1.1 server on
+"""Kept-open HTTP connections (elastic_mesh/control/kept_connections.py) against a real HTTP/1.1 server on
 loopback that counts the TCP connections it accepted."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from elastic_mesh.client import CoordinatorClient
+from elastic_mesh.control.client import CoordinatorClient
 from elastic_mesh.coordinator.run import make_token
-from elastic_mesh.kept_connections import KeptConnections
+from elastic_mesh.control.kept_connections import KeptConnections
 
 
 class CountingServer(ThreadingHTTPServer):

@@ -3,7 +3,7 @@
 import pytest
 
 from prime.config import load_config
-from prime.model import build_model, count_parameters
+from prime.core.model import build_model, count_parameters
 from tests.conftest import REPO
 
 EXPECTED_PARAMS = {"debug": (0.1e6, 0.2e6), "cpu-demo": (5e6, 20e6), "150M": (140e6, 160e6),

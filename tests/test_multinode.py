@@ -7,10 +7,10 @@ import sqlite3
 import time
 from contextlib import closing
 
-from elastic_mesh.coordinator.ledger import DataLedger
+from elastic_mesh.coordinator.leases import DataLedger
 from elastic_mesh.coordinator.state import CoordinatorState
 from launch.cluster import LocalCluster, wait_for
-from prime.data.audit import audit_ledger
+from prime.tools.audit import audit_ledger
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer
 

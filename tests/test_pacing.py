@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.pacing import CATCH_UP, OUTSTANDING, Pacer, PiecewiseSend
+from elastic_mesh.wire.pacing import CATCH_UP, OUTSTANDING, Pacer, PiecewiseSend
 
 
 class _HeldBackTransport:

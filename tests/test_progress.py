@@ -7,7 +7,7 @@ import logging
 
 from rich.console import Console
 
-from prime.progress import ProgressDisplay
+from prime.core.progress import ProgressDisplay
 
 
 def feed(display: ProgressDisplay, steps: range, step_s: float = 0.5) -> None:
@@ -33,7 +33,7 @@ def test_terminal_line_shows_inner_step_loss_outer_step_eta_and_bytes():
 def test_plain_log_lines_when_not_a_terminal(caplog):
     display = ProgressDisplay(total=20, start=0, enabled=True, every=5, prefix="[node0]")
     display.sync_every = 5
-    with caplog.at_level(logging.INFO, logger="prime.progress"):
+    with caplog.at_level(logging.INFO, logger="prime.core.progress"):
         feed(display, range(1, 11))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["[node0] step 5/20 inner 5/5 · loss 2.950 · 2,048 tok/s · outer 0 · 0.0 MB sent",
@@ -42,7 +42,7 @@ def test_plain_log_lines_when_not_a_terminal(caplog):
 
 def test_quiet_drops_step_lines_but_keeps_events(caplog):
     display = ProgressDisplay(total=20, start=0, enabled=True, every=1, prefix="[n]", quiet=True)
-    with caplog.at_level(logging.INFO, logger="prime.progress"):
+    with caplog.at_level(logging.INFO, logger="prime.core.progress"):
         feed(display, range(1, 6))
         display.note("checkpoint step 5 written")
     assert [r.getMessage() for r in caplog.records] == ["[n] checkpoint step 5 written"]

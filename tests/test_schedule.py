@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from prime.optim import OptimConfig, lr_factor
+from prime.core.optim import OptimConfig, lr_factor
 
 
 def test_warmup_is_linear():

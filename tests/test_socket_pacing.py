@@ -1,4 +1,4 @@
-"""Kernel pacing of a real Gloo group's TCP connections (elastic_mesh/socket_pacing.py), over loopback."""
+"""Kernel pacing of a real Gloo group's TCP connections (elastic_mesh/wire/socket_pacing.py), over loopback."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 def _rates(sockets) -> list[int]:
-    from elastic_mesh.socket_pacing import SO_MAX_PACING_RATE
+    from elastic_mesh.wire.socket_pacing import SO_MAX_PACING_RATE
 
     rates = []
     for fd, _ in sockets.connections:
@@ -35,7 +35,7 @@ def _rates(sockets) -> list[int]:
 def _member(rank, world, port, queue, intruder_port):
     import torch.distributed as dist
 
-    from elastic_mesh.socket_pacing import HEADROOM, UNLIMITED, NewConnections
+    from elastic_mesh.wire.socket_pacing import HEADROOM, UNLIMITED, NewConnections
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))

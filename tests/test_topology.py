@@ -1,11 +1,11 @@
-"""Choosing the all-reduce's ring from link rates (elastic_mesh/topology.py): pure functions, no network."""
+"""Choosing the all-reduce's ring from link rates (elastic_mesh/wire/topology.py): pure functions, no network."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
-from elastic_mesh.topology import LinkEstimates, choose_ring, hop_rates, rate_matrix
+from elastic_mesh.wire.topology import LinkEstimates, choose_ring, hop_rates, rate_matrix
 
 
 def _best_bottleneck(rates):
@@ -68,7 +68,7 @@ def test_rate_matrix_fills_gaps_with_the_median_and_needs_some_measurement():
 def test_members_agree_on_rank_order_when_one_does_not_follow_links_or_member_0_sends_nonsense():
     import torch
 
-    from elastic_mesh.collectives import _agree_on_ring, header_size
+    from elastic_mesh.wire.collectives import _agree_on_ring, header_size
 
     world = 4
     slow = [[0.0 if i == j else (1.0 if {i, j} == {0, 1} else 10.0) for i in range(world)] for j in range(world)]
@@ -87,7 +87,7 @@ def test_members_agree_on_rank_order_when_one_does_not_follow_links_or_member_0_
 
 
 def test_slow_peers_are_the_ends_of_slow_routes_in_either_direction():
-    from elastic_mesh.collectives import slow_peers
+    from elastic_mesh.wire.collectives import slow_peers
 
     rates = [[0.0 if i == j else 10.0 for j in range(4)] for i in range(4)]
     rates[0][1] = 2.0  # one direction is enough

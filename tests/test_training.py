@@ -5,9 +5,9 @@ import shutil
 import pytest
 import torch
 
-from prime.checkpoint import CheckpointStore
+from prime.core.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.model import build_model
+from prime.core.model import build_model
 from tests.conftest import REPO, read_metrics, run_train
 
 
@@ -86,7 +86,7 @@ def test_latest_ignores_partial_saves(tmp_path):
 def test_hf_export_of_a_sharded_checkpoint(two_rank_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from prime.export import main as export_main
+    from prime.tools.export import main as export_main
 
     checkpoint = two_rank_run / "checkpoints" / "step_00000040"
     assert export_main([str(checkpoint), "--out", str(tmp_path / "hf")]) == 0
@@ -104,7 +104,7 @@ def test_exported_tokenizer_gives_our_ids_and_generate_writes_text(two_rank_run,
     from transformers import AutoTokenizer
 
     from prime.data.tokenizer import ByteTokenizer
-    from prime.export import export_checkpoint, sample
+    from prime.tools.export import export_checkpoint, sample
 
     out = export_checkpoint(two_rank_run / "checkpoints" / "step_00000040", tmp_path / "hf")
     theirs, ours = AutoTokenizer.from_pretrained(out), ByteTokenizer()
@@ -117,7 +117,7 @@ def test_exported_tokenizer_gives_our_ids_and_generate_writes_text(two_rank_run,
 
 
 def test_export_refuses_a_non_checkpoint(tmp_path, capsys):
-    from prime.export import main as export_main
+    from prime.tools.export import main as export_main
 
     assert export_main([str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
     assert "not a complete prime checkpoint" in capsys.readouterr().err
@@ -126,9 +126,9 @@ def test_export_refuses_a_non_checkpoint(tmp_path, capsys):
 def test_export_gives_the_live_trainers_logits(corpus, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from prime.distributed import close_local_group, init_local_group
-    from prime.export import export_checkpoint
-    from prime.trainer import Trainer
+    from prime.core.distributed import close_local_group, init_local_group
+    from prime.tools.export import export_checkpoint
+    from prime.pretrain.trainer import Trainer
 
     config = load_config(REPO / "configs/debug.toml", {"data.path": str(corpus), "train.max_steps": "3"})
     group = init_local_group("cpu")  # a real one-rank Gloo group in this process

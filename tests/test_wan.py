@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from launch.cluster import LocalCluster
-from launch.wan import PROFILES, LinkProfile, PathProfile, WanTopology, can_emulate
+from launch.wan.harness import PROFILES, LinkProfile, PathProfile, WanTopology, can_emulate
 
 pytestmark = pytest.mark.skipif(can_emulate() is not None, reason=f"no WAN emulation here: {can_emulate()}")
-PROBE = ["launch/wan_probe.py"]
+PROBE = ["launch/wan/probe.py"]
 
 
 def probe(wan: WanTopology, host: str, *args: str) -> dict:
@@ -149,7 +149,7 @@ def test_a_partitioned_node_is_left_out_then_rejoins_after_the_heal(tmp_path, co
     contributes, with identical models throughout."""
     import time
 
-    from launch.chaos import FaultInjector
+    from launch.fault_injector import FaultInjector
 
     names = ["node0", "node1", "node2"]
     # A node cut off inside a transfer notices only when that transfer times out (5 s here); the run is

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prime.metrics import MetricsConfig, MetricsWriter
+from prime.core.metrics import MetricsConfig, MetricsWriter
 
 pytest.importorskip("wandb", reason="wandb is in the dev extra; make test installs it")
 

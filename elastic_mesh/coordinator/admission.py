@@ -13,7 +13,7 @@ import time
 
 from elastic_mesh.coordinator.config import Refused, check_shared_settings
 from elastic_mesh.coordinator.state import Node
-from elastic_mesh.token import TokenError, verify_token
+from elastic_mesh.control.token import TokenError, verify_token
 
 log = logging.getLogger(__name__)
 

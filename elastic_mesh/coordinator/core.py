@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from elastic_mesh.coordinator.admission import Admission, hash_session
 from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
-from elastic_mesh.coordinator.ledger import DataLedger, LedgerError, parse_report
+from elastic_mesh.coordinator.leases import DataLedger, LedgerError, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState, Node, StepDecision
 from elastic_mesh.coordinator.telemetry import TelemetryLog
-from elastic_mesh.token import TokenError, verify_token
+from elastic_mesh.control.token import TokenError, verify_token
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Benchmark: prime's int8 all-reduce against Gloo's own fp32 all_reduce, side by side, over an emulated WAN.
 
-N members, each in its own network namespace behind a rate-limited link (launch/wan.py), all-reduce
+N members, each in its own network namespace behind a rate-limited link (launch/wan/harness.py), all-reduce
 the same fp32 tensor with both, alternating, and print the speed-up, each one's effective throughput
 (bytes a member must upload / time, against the link rate) and the int8 error. --streams compares
 int8 over 1, 2, 4 ... TCP connections per peer pair (mesh.streams_per_peer) in the same run.
@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from launch.wan import LinkProfile, WanTopology  # noqa: E402
+from launch.wan.harness import LinkProfile, WanTopology
 
 
 def main() -> int:

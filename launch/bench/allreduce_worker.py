@@ -6,16 +6,14 @@ import datetime
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from elastic_mesh.codecs import codec_for  # noqa: E402
-from elastic_mesh.collectives import all_reduce_mean  # noqa: E402
-from elastic_mesh.topology import LinkEstimates  # noqa: E402
+from elastic_mesh.wire.codecs import codec_for
+from elastic_mesh.wire.collectives import all_reduce_mean
+from elastic_mesh.wire.topology import LinkEstimates
 
 
 def main() -> None:

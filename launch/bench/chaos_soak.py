@@ -1,6 +1,6 @@
 """Chaos soak: a local cluster takes ≥ 100 faults, one after another, while it trains.
 
-Faults (launch/chaos.py): SIGKILL in the inner steps, SIGKILL between the phases of an all-reduce,
+Faults (launch/fault_injector.py): SIGKILL in the inner steps, SIGKILL between the phases of an all-reduce,
 SIGKILL of a node that is joining, SIGKILL of a node while a joiner downloads from it, a node that
 serves snapshot chunks with a bit flipped while a joiner downloads from it, a short stall (SIGSTOP under the lease), a long stall (over the
 lease: declared dead, must rejoin by itself), a slowed node (50% duty for 10 s), a coordinator kill
@@ -8,7 +8,7 @@ and restart, a NaN pseudo-gradient, hostile bytes on every listening port, a for
 --wan a partition (the node's link down for longer than the lease, then healed). Killed nodes are
 restarted and rejoin. Prints, per kind and in total: faults injected and survived, outer steps
 committed, replicas that diverged, hangs, nodes that crashed on their own, the longest time from
-a fault to the next committed outer step, and data lost or duplicated (prime.data.audit over the
+a fault to the next committed outer step, and data lost or duplicated (prime.tools.audit over the
 coordinator's ledger: every document counted by id).
 
     python launch/bench/chaos_soak.py [--faults 100] [--nodes 3] [--wan lan] [--seed 0]
@@ -29,11 +29,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.chaos import FaultInjector  # noqa: E402
-from launch.cluster import LocalCluster  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from launch.fault_injector import FaultInjector
+from launch.cluster import LocalCluster
+from prime.data.builtin_corpus import prepare
 
 LEASE_S = 3.0
 JOINER_HOSTS = 3
@@ -114,7 +113,7 @@ def soak(args) -> dict:
                  "--mesh.snapshot_chunk_bytes", "32768"]
     wan = None
     if args.wan:
-        from launch.wan import WanTopology
+        from launch.wan.harness import WanTopology
 
         wan = WanTopology(["coordinator", *names, *[f"joiner{i}" for i in range(JOINER_HOSTS)]], args.wan).up()
         print(wan.describe().split(";")[0])
@@ -242,7 +241,7 @@ def soak(args) -> dict:
 
 def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
     """Every document read by a committed outer step, counted by id against the shard files."""
-    from prime.data.audit import audit_ledger
+    from prime.tools.audit import audit_ledger
     from prime.data.shards import make_shards
     from prime.data.tokenizer import ByteTokenizer
 

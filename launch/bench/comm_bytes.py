@@ -1,6 +1,6 @@
 """Benchmark: bytes on the wire per inner step, DiLoCo (int8) against data-parallel fp32 gradient all-reduce.
 
-Both run between the same emulated hosts (launch/wan.py) on the same model size, and the bytes are
+Both run between the same emulated hosts (launch/wan/harness.py) on the same model size, and the bytes are
 counted on the hosts' network interfaces (/proc/net/dev of each namespace), so TCP/IP headers,
 coordinator traffic and rendezvous are all included.
 - DiLoCo: a real run of `prime.train --join` on every host (debug-shaped model, H inner steps).
@@ -18,12 +18,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from launch.cluster import LocalCluster  # noqa: E402
-from launch.wan import LinkProfile, WanTopology, interface_bytes  # noqa: E402
-from prime.config import load_config  # noqa: E402
-from prime.model import build_model, count_parameters  # noqa: E402
+from launch.cluster import LocalCluster
+from launch.wan.harness import LinkProfile, WanTopology, interface_bytes
+from prime.config import load_config
+from prime.core.model import build_model, count_parameters
 
 MODEL = ["--model.hidden_size", "256", "--model.intermediate_size", "512", "--model.num_layers", "2",
          "--model.num_heads", "4", "--model.num_kv_heads", "2"]

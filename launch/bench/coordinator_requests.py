@@ -4,7 +4,7 @@ A real coordinator in its own namespace, one node behind the chosen profile (def
 hosts see ~160 ms RTT). The node joins, then sends the same heartbeats three ways, interleaved so
 the machine's noise hits all alike:
 - `urllib`: a new TCP connection per request, `Connection: close` (how the node's client worked
-  before elastic_mesh/kept_connections.py);
+  before elastic_mesh/control/kept_connections.py);
 - `new connection`: the client's own code with its kept connections closed before every request;
 - `kept`: the client as nodes run it, one connection kept open between requests.
 Each node asks the coordinator ready, vote and commit per outer step (plus rendezvous keys per new
@@ -23,10 +23,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from launch.cluster import LocalCluster, child_env  # noqa: E402
-from launch.wan import PROFILES, WanTopology  # noqa: E402
+from launch.cluster import LocalCluster, child_env
+from launch.wan.harness import PROFILES, WanTopology
 
 
 def node(address: str, token: str, requests: int) -> None:
@@ -35,7 +34,7 @@ def node(address: str, token: str, requests: int) -> None:
     import time
     import urllib.request
 
-    from elastic_mesh.client import CoordinatorClient
+    from elastic_mesh.control.client import CoordinatorClient
 
     client = CoordinatorClient(address, request_timeout_s=30, retry_s=10)
     client.join(token, name="probe", fingerprint="bench", procs_per_node=1, model_hash="h0", address="")

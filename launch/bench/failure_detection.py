@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.cluster import LocalCluster  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from launch.cluster import LocalCluster
+from prime.data.builtin_corpus import prepare
 
 
 def trial(corpus: Path, nodes: int, lease_s: float, rng: random.Random) -> tuple[float, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,12 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from prime.config import load_config  # noqa: E402
-from prime.distributed import close_local_group, init_local_group  # noqa: E402
-from prime.model import build_model  # noqa: E402
-from prime.trainer import Trainer  # noqa: E402
+from prime.config import load_config
+from prime.core.distributed import close_local_group, init_local_group
+from prime.core.model import build_model
+from prime.pretrain.trainer import Trainer
 
 
 def plain_loop(config, device, dtype, batches):

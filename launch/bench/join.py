@@ -23,11 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.cluster import LocalCluster, wait_for  # noqa: E402
-from launch.wan import LinkProfile, WanTopology  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from launch.cluster import LocalCluster, wait_for
+from launch.wan.harness import LinkProfile, WanTopology
+from prime.data.builtin_corpus import prepare
 
 MODEL = ["--model.hidden_size", "256", "--model.intermediate_size", "768", "--model.num_layers", "4",
          "--model.num_heads", "4", "--model.num_kv_heads", "2"]

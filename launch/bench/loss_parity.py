@@ -20,15 +20,14 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from launch.cluster import LocalCluster, child_env  # noqa: E402
-from prime.checkpoint import CheckpointStore  # noqa: E402
-from prime.config import load_config  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
-from prime.data.loader import BatchIterator, DataConfig, PackedSequenceStream, eval_shards, train_and_eval_files  # noqa: E402
-from prime.data.tokenizer import ByteTokenizer  # noqa: E402
-from prime.model import build_model  # noqa: E402
+from launch.cluster import LocalCluster, child_env
+from prime.core.checkpoint import CheckpointStore
+from prime.config import load_config
+from prime.data.builtin_corpus import prepare
+from prime.data.loader import BatchIterator, DataConfig, PackedSequenceStream, eval_shards, train_and_eval_files
+from prime.data.tokenizer import ByteTokenizer
+from prime.core.model import build_model
 
 
 @torch.no_grad()

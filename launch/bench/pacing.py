@@ -3,7 +3,7 @@
 Two hosts behind the same access link (default 5 Mbit/s, 40 ms ± 4 ms one way), one paced int8
 all-reduce of a cpu-demo-sized pseudo-gradient fragment (1.48M values) spread over --spread seconds,
 once per loss rate, paced by the token bucket alone and with the kernel pacing the group's sockets
-too (elastic_mesh/socket_pacing.py). Prints the transfer's average rate and the peak rate any host's
+too (elastic_mesh/wire/socket_pacing.py). Prints the transfer's average rate and the peak rate any host's
 link delivered in any 1 s and 2 s of it (sampled every 0.25 s from /proc/<pid>/net/dev): a perfect
 pacer reads about 1.05× (the TCP/IP headers on the wire, which the payload average leaves out).
 
@@ -21,16 +21,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 def member(rank: int, address: str, port: int, spread: float, values: int, kernel: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastic_mesh.codecs import codec_for
-    from elastic_mesh.collectives import all_reduce_mean
-    from elastic_mesh.socket_pacing import NewConnections
+    from elastic_mesh.wire.codecs import codec_for
+    from elastic_mesh.wire.collectives import all_reduce_mean
+    from elastic_mesh.wire.socket_pacing import NewConnections
 
     torch.set_num_threads(1)
     store = dist.TCPStore(address, port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -61,7 +60,7 @@ def main() -> int:
         member(int(args.member[0]), args.member[1], int(args.member[2]), args.spread, args.values,
                args.member[3] == "kernel")
         return 0
-    from launch.wan import LinkProfile, WanTopology, WireMeter
+    from launch.wan.harness import LinkProfile, WanTopology, WireMeter
 
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "wan0", "OMP_NUM_THREADS": "1"}
     runs = [(float(loss), pacer) for loss in args.losses.split(",") for pacer in args.pacers.split(",")]

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from elastic_mesh.codecs import BLOCK, codec_for  # noqa: E402
+from elastic_mesh.wire.codecs import BLOCK, codec_for
 
 LINK_BYTES_PER_S = 1e9 / 8
 

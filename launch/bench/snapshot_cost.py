@@ -15,10 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.cluster import LocalCluster  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from launch.cluster import LocalCluster
+from prime.data.builtin_corpus import prepare
 
 
 def run(config: str, serve: bool, args, corpus: Path) -> float:

@@ -3,7 +3,7 @@ rates, side by side, on an emulated topology where some routes between nodes are
 
 Every member sits behind the same access link; the routes between the pairs given by --slow (both
 directions) are slower (--route-mbit, --route-latency-ms more). Rank order puts a slow route in the
-ring; the measured ring (elastic_mesh/topology.py) should avoid it after one all-reduce has measured
+ring; the measured ring (elastic_mesh/wire/topology.py) should avoid it after one all-reduce has measured
 the pairs. Runs alternate fixed / measured; the first measured run is the one that measures (it still
 uses rank order), so it is reported on its own and left out of the median.
 
@@ -25,14 +25,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-import tempfile  # noqa: E402
+import tempfile
 
-from elastic_mesh.topology import hop_rates  # noqa: E402
-from launch.cluster import LocalCluster  # noqa: E402
-from launch.wan import LinkProfile, PathProfile, WanTopology  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from elastic_mesh.wire.topology import hop_rates
+from launch.cluster import LocalCluster
+from launch.wan.harness import LinkProfile, PathProfile, WanTopology
+from prime.data.builtin_corpus import prepare
 
 # A model whose int8 pseudo-gradient (1.5 MB) takes seconds on a few Mbit/s, with inner steps that
 # 4 nodes can run on 2 cores.

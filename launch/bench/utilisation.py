@@ -38,11 +38,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from launch.cluster import LocalCluster, child_env  # noqa: E402
-from launch.wan import PROFILES, WanTopology, WireMeter  # noqa: E402
-from prime.data.builtin_corpus import prepare  # noqa: E402
+from launch.cluster import LocalCluster, child_env
+from launch.wan.harness import PROFILES, WanTopology, WireMeter
+from prime.data.builtin_corpus import prepare
 
 
 def tokens_per_s(cluster: LocalCluster, names: list[str], first: int = 0, last: int | None = None) -> float:

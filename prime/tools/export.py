@@ -2,8 +2,8 @@
 the tokenizer, so `AutoModelForCausalLM` and `AutoTokenizer.from_pretrained(out)` load it and
 `generate` works.
 
-    python -m prime.export runs/cpu-demo/checkpoints/step_00000200 --out exported/cpu-demo
-    python -m prime.export runs/demo --outer-step 8 --out exported/demo-step8 --prompt "def "
+    python -m prime.tools.export runs/cpu-demo/checkpoints/step_00000200 --out exported/cpu-demo
+    python -m prime.tools.export runs/demo --outer-step 8 --out exported/demo-step8 --prompt "def "
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def find_outer_step_checkpoint(run_dir: Path, outer_step: int) -> Path:
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    from prime.checkpoint import CheckpointStore
+    from prime.core.checkpoint import CheckpointStore
     from prime.config import JobConfig
-    from prime.model import build_model
+    from prime.core.model import build_model
 
     checkpoint = Path(checkpoint)
     trainer_file = checkpoint / "trainer.json"
@@ -129,8 +129,8 @@ def sample(out: Path, prompt: str, new_tokens: int = 60) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Export a prime checkpoint to Hugging Face format (safetensors + config + tokenizer).",
-        epilog="examples:\n  python -m prime.export runs/cpu-demo/checkpoints/step_00000200 --out exported/cpu-demo\n"
-               "  python -m prime.export runs/demo --outer-step 8 --out exported/demo --prompt 'def '",
+        epilog="examples:\n  python -m prime.tools.export runs/cpu-demo/checkpoints/step_00000200 --out exported/cpu-demo\n"
+               "  python -m prime.tools.export runs/demo --outer-step 8 --out exported/demo --prompt 'def '",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a checkpoint directory (…/checkpoints/step_*), or with --outer-step "
                                                 "a multi-node run directory")

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic_mesh.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 
 
 class CoordinatorStore(dist.Store):

@@ -2,7 +2,7 @@
 
 Used by the chaos smoke in `make test` and by `launch/bench/chaos_soak.py`. Every fault is real: a
 SIGKILL of a node's whole process tree, SIGSTOP/SIGCONT (a stalled or slowed node), the node's WAN
-link taken down (a partition; needs a launch.wan topology), the coordinator killed and restarted on
+link taken down (a partition; needs a launch.wan.harness topology), the coordinator killed and restarted on
 the same port and state, NaN pseudo-gradients (a command file the node's chaos hook takes), garbage
 and oversized requests on every listening TCP port, forged join tokens.
 """
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_mesh.process_tree import descendants
-from elastic_mesh.token import create_token
+from elastic_mesh.control.process_tree import descendants
+from elastic_mesh.control.token import create_token
 
 
 @dataclass
@@ -221,7 +221,7 @@ class FaultInjector:
     def partition(self, name: str) -> Fault:
         """Drops every packet to and from the node (its WAN link goes down)."""
         if self.wan is None:
-            raise RuntimeError("partitions need an emulated WAN (launch.wan.WanTopology)")
+            raise RuntimeError("partitions need an emulated WAN (launch.wan.harness.WanTopology)")
         subprocess.run([*self.wan.exec_prefix(name), "ip", "link", "set", self.wan.interface(), "down"], check=True)
         return self._record("partition", name)
 
@@ -259,11 +259,10 @@ class FaultInjector:
                 t.join()
         else:  # from inside the coordinator's namespace, to each host's address
             targets = [(self.wan.address(h), p) for h in self.wan.hosts for p in ports]
-            code = ("import sys, json; from launch.chaos import hostile; "
+            code = ("import sys, json; from launch.fault_injector import hostile; "
                     "[hostile(h, p, int(sys.argv[2])) for h, p in json.loads(sys.argv[1])]")
             subprocess.run([*self.wan.exec_prefix("coordinator"), sys.executable, "-c", code, json.dumps(targets),
-                            str(seed)], cwd=self.cluster.run_dir.parent, timeout=600,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                            str(seed)], cwd=self.cluster.run_dir.parent, timeout=600)
         return self._record("hostile-input", "all ports", f"{len(ports)} ports", at=started)
 
     def forged_token(self) -> Fault:

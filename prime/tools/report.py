@@ -1,6 +1,6 @@
 """Plots and a summary of a finished (or running) run, from the files it wrote.
 
-    python -m prime.report runs/demo            # writes runs/demo/report/{loss,timeline,membership}.png + summary.md
+    python -m prime.tools.report runs/demo            # writes runs/demo/report/{loss,timeline,membership}.png + summary.md
 
 Reads every node's metrics.jsonl (RUN_DIR/<node>/metrics.jsonl, or RUN_DIR/metrics.jsonl for a single
 node) and, when present, the coordinator's state (RUN_DIR/coordinator/coordinator.sqlite, read-only)
@@ -209,7 +209,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Write PNG plots (loss vs tokens, outer-step timeline, membership) and a markdown summary of a run.",
-        epilog="example: python -m prime.report runs/demo   (then open runs/demo/report/summary.md)")
+        epilog="example: python -m prime.tools.report runs/demo   (then open runs/demo/report/summary.md)")
     parser.add_argument("run_dir", type=Path, help="the run directory (launch/local.py --run-dir, or prime.train's)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/report)")
     args = parser.parse_args(argv)

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from prime.config import JobConfig
 from prime.data.shards import data_fingerprint, make_shards
-from prime.diloco import DilocoHook
-from prime.outer_optimizer import OuterOptimizer, local_shards
-from prime.trainer import Trainer
+from prime.diloco.hook import DilocoHook
+from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
+from prime.pretrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """DiLoCo's outer loop: pseudo-gradients, the compressed all-reduce, the outer Nesterov step.
 
 It attaches to the plain inner loop as a StepHook and runs every `inner_steps` steps. Each local rank
-owns fp32 CPU copies of its FSDP2 shards (the outer params, prime/outer_optimizer.py); its global group
+owns fp32 CPU copies of its FSDP2 shards (the outer params, prime/diloco/outer_optimizer.py); its global group
 pairs it with the same shard on every other node. diloco.mode = blocking: the inner steps wait for the
 outer step. delayed: the outer step of round k is decided in a background thread while round k+1
-runs (prime/outer_exchange.py) and applied one round late, keeping the local progress made meanwhile.
+runs (prime/diloco/exchange.py) and applied one round late, keeping the local progress made meanwhile.
 streaming: the same for one of F fragments every H/F steps, with up to F of them in flight.
 
 The round is all-or-nothing: the pseudo-gradients stay intact until the coordinator says every
@@ -12,7 +12,7 @@ member's all-reduce succeeded ("apply"); on "abort" the same pseudo-gradients go
 survivors. A node never applies its own pseudo-gradient alone.
 
 A node that is behind (it joined a running job, missed a step's deadline, was partitioned away, or
-diverged) catches up from its peers' snapshot servers while the others go on (prime/catch_up.py) and
+diverged) catches up from its peers' snapshot servers while the others go on (prime/diloco/catch_up.py) and
 enters the next round with everyone.
 """
 
@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from elastic_mesh.codecs import codec_for
+from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.snapshots import DeferredSnapshot
-from prime.catch_up import CatchUp
-from prime.chaos import ChaosConfig, corrupted, kill_node, take_command, take_command_text
-from prime.diloco_config import DilocoConfig
-from prime.optim import adam_state_tensors
-from prime.outer_exchange import Exchange, InFlight, Pace, StepClock, exchange, plan_pace
-from prime.outer_optimizer import OuterOptimizer, local_shards
+from elastic_mesh.transfer.snapshots import DeferredSnapshot
+from prime.diloco.catch_up import CatchUp
+from prime.testing.faults import ChaosConfig, corrupted, kill_node, take_command, take_command_text
+from prime.diloco.config import DilocoConfig
+from prime.core.optim import adam_state_tensors
+from prime.diloco.exchange import Exchange, InFlight, Pace, StepClock, exchange, plan_pace
+from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
 

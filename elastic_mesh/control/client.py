@@ -2,7 +2,7 @@
 
 Every call has an explicit timeout. Connection failures are retried for up to `retry_s`, so a
 coordinator that restarts does not bring nodes down; refusals (4xx) are raised at once. Connections
-are kept open between requests (elastic_mesh/kept_connections.py): over a WAN a new one costs a round
+are kept open between requests (elastic_mesh/control/kept_connections.py): over a WAN a new one costs a round
 trip per request.
 """
 
@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from elastic_mesh.kept_connections import KeptConnections
+from elastic_mesh.control.kept_connections import KeptConnections
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """Emulated WAN: one network namespace per host, each behind a link with latency, jitter, loss and rates.
 
-    sudo python launch/wan.py --profile global --hosts coordinator,node0,node1 -- CMD   (try it by hand)
+    sudo python launch/wan/harness.py --profile global --hosts coordinator,node0,node1 -- CMD   (try it by hand)
 
 From code (tests, benchmarks): `with WanTopology(["coordinator", "node0"], "global") as wan:` then run
 processes with `wan.exec_prefix(name)` and reach them at `wan.address(name)`.
 
 Backends: `netem` (kernel qdiscs on veth pairs through a bridge) where the kernel has sch_netem;
-otherwise `tun`, a user-space emulator over TUN devices (launch/wan_emulator.py) that puts the same
+otherwise `tun`, a user-space emulator over TUN devices (launch/wan/emulator.py) that puts the same
 delay, jitter, loss and rate limits on every packet. `backend` says which one ran; tests print it.
 Each host's profile is its access link: a packet from A to B crosses A's upload then B's download,
 so the RTT between A and B is 2 × (latency A + latency B). `paths` adds a route between two hosts
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LinkProfile(BaseModel):
@@ -158,7 +158,7 @@ class WanTopology:
                   "paths": [{"a": a, "b": b, "profile": p.model_dump()} for (a, b), p in self.paths.items()]}
         path = self._workdir / "emulator.json"
         path.write_text(json.dumps(config))
-        self._emulator = subprocess.Popen([sys.executable, str(REPO / "launch" / "wan_emulator.py"), str(path)],
+        self._emulator = subprocess.Popen([sys.executable, "-m", "launch.wan.emulator", str(path)],
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self._emulator.stdout.readline()
         if not line.startswith("ready"):
@@ -274,7 +274,7 @@ class WireMeter:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Build an emulated WAN and run a command in one of its hosts.",
-                                     epilog="example: python launch/wan.py --profile global --hosts a,b "
+                                     epilog="example: python launch/wan/harness.py --profile global --hosts a,b "
                                             "--in b -- ping -c 3 10.77.0.2")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="global")
     parser.add_argument("--hosts", default="a,b", help="comma-separated host names")

@@ -1,7 +1,7 @@
 """Proves (or disproves) exactly-once data: reads the coordinator's ledger of committed ranges and
 counts, by document id, how often each document's tokens entered a committed outer step.
 
-    python -m prime.data.audit STATE_DIR/coordinator.sqlite --config configs/debug.toml [--set data.path=...]
+    python -m prime.tools.audit STATE_DIR/coordinator.sqlite --config configs/debug.toml [--set data.path=...]
 
 For every shard and pass the committed ranges must chain from the top of the shard without gap or
 overlap; every document whose first token lies in the consumed part must have entered exactly one
@@ -55,7 +55,7 @@ class AuditReport:
 
 def audit_ledger(state: Path, shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
     """Audits the committed ranges in a coordinator's state file (read-only: the run may still be going)."""
-    from elastic_mesh.coordinator.ledger import DataLedger
+    from elastic_mesh.coordinator.leases import DataLedger
 
     db = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
     try:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Check that every document of a multi-node run entered exactly one committed outer step "
                     "per pass (from the coordinator's data ledger).",
-        epilog="example: python -m prime.data.audit runs/x/coordinator/coordinator.sqlite --config configs/debug.toml")
+        epilog="example: python -m prime.tools.audit runs/x/coordinator/coordinator.sqlite --config configs/debug.toml")
     parser.add_argument("state", type=Path, help="the coordinator's coordinator.sqlite")
     parser.add_argument("--config", default="configs/debug.toml", help="the run's config (for its data settings)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -1,7 +1,7 @@
 """The language model: a Hugging Face Llama built from our config with seeded random init.
 
 This module knows nothing of parallelism, precision policies or devices beyond "build it here";
-sharding and activation checkpointing are applied from `prime.parallelize`.
+sharding and activation checkpointing are applied from `prime.core.parallelize`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ non-finite or absurdly large is left out of the mean by everyone alike and named
 checked too: a peer that lies in its header and sends garbage is named in the error.
 
 The header also carries the link rates each member measured coming in during the last scatter; with
-them every member picks the same ring for both phases (elastic_mesh/topology.py), one whose slowest
+them every member picks the same ring for both phases (elastic_mesh/wire/topology.py), one whose slowest
 hop is fast. The order changes who talks to whom when, never what is summed: results are bit-identical
 whatever the ring.
 """
@@ -34,10 +34,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from elastic_mesh.codecs import BLOCK, Codec
-from elastic_mesh.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
-from elastic_mesh.socket_pacing import GroupSockets
-from elastic_mesh.topology import LinkEstimates, choose_ring, rate_matrix
+from elastic_mesh.wire.codecs import BLOCK, Codec
+from elastic_mesh.wire.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
+from elastic_mesh.wire.socket_pacing import GroupSockets
+from elastic_mesh.wire.topology import LinkEstimates, choose_ring, rate_matrix
 
 
 class CollectiveError(RuntimeError):
@@ -243,7 +243,7 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     a norm above outlier_factor × the median of the others' (3+ contributors) is refused as absurd.
     links: this member's measured link rates (updated here), keyed by `peers` (a name per rank); the
     ring follows the measurements only if every member passes links, else it is rank order.
-    spread_s: pace the sends so that they take about this long in all (elastic_mesh/pacing.py) rather
+    spread_s: pace the sends so that they take about this long in all (elastic_mesh/wire/pacing.py) rather
     than going at the link's rate; a slower link still takes as long as it takes. Members agree on the
     longest spread any of them asks for: the all-reduce ends with its slowest sender anyway.
     finish_s: this member's own limit, if later than the spread (slack before anyone waits for the

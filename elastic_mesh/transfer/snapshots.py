@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from elastic_mesh.kept_connections import KeptConnections
+from elastic_mesh.control.kept_connections import KeptConnections
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import os
 import signal
 from pathlib import Path
 
-from elastic_mesh.process_tree import kill_tree
-from elastic_mesh.snapshots import Snapshot
+from elastic_mesh.control.process_tree import kill_tree
+from elastic_mesh.transfer.snapshots import Snapshot
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)

@@ -2,19 +2,19 @@
 away, or diverged) reaches the run's newest committed step from its peers' snapshot servers, with
 nobody waiting for it: it replays the averaged updates of the steps it missed, or fetches a whole
 snapshot when it holds nothing usable, and checks the result against the hashes the coordinator
-committed. A part of DilocoHook (prime/diloco.py), kept apart because it is a job of its own."""
+committed. A part of DilocoHook (prime/diloco/hook.py), kept apart because it is a job of its own."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from elastic_mesh.codecs import codec_for
-from elastic_mesh.collectives import decode_wire
+from elastic_mesh.wire.codecs import codec_for
+from elastic_mesh.wire.collectives import decode_wire
 from elastic_mesh.mesh import node_hash
-from elastic_mesh.snapshots import SnapshotError
-from prime.optim import bound_first_moment, load_adam_state
-from prime.outer_optimizer import local_shards
+from elastic_mesh.transfer.snapshots import SnapshotError
+from prime.core.optim import bound_first_moment, load_adam_state
+from prime.diloco.outer_optimizer import local_shards
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from elastic_mesh.client import CoordinatorError
-from elastic_mesh.codecs import Codec
-from elastic_mesh.collectives import AllReduceResult, CollectiveError, all_reduce_mean
-from elastic_mesh.topology import describe_ring
+from elastic_mesh.control.client import CoordinatorError
+from elastic_mesh.wire.codecs import Codec
+from elastic_mesh.wire.collectives import AllReduceResult, CollectiveError, all_reduce_mean
+from elastic_mesh.wire.topology import describe_ring
 from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """Measures an emulated link from inside a namespace: RTT, TCP throughput, UDP loss.
 
-    python launch/wan_probe.py serve PORT                 # echo / sink / UDP counter (runs until killed)
-    python launch/wan_probe.py rtt HOST PORT [N]          # median round trip of N small TCP messages, ms
-    python launch/wan_probe.py throughput HOST PORT MB    # one TCP stream, Mbit/s of payload
-    python launch/wan_probe.py loss HOST PORT N           # fraction of N UDP datagrams that got through
+    python launch/wan/probe.py serve PORT                 # echo / sink / UDP counter (runs until killed)
+    python launch/wan/probe.py rtt HOST PORT [N]          # median round trip of N small TCP messages, ms
+    python launch/wan/probe.py throughput HOST PORT MB    # one TCP stream, Mbit/s of payload
+    python launch/wan/probe.py loss HOST PORT N           # fraction of N UDP datagrams that got through
 Prints one JSON object.
 """
 

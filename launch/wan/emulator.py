@@ -17,7 +17,7 @@ process far more than a packet does, and on CPUs shared with the emulated hosts 
 host: waking per packet and per hop (three times a packet) took ~4% of a core while a paced
 all-reduce ran behind the hosts' compute, ticks 2.8%.
 
-    python launch/wan_emulator.py CONFIG.json     (started by launch/wan.py, prints "ready")
+    python launch/wan/emulator.py CONFIG.json     (started by launch/wan/harness.py, prints "ready")
 """
 
 from __future__ import annotations

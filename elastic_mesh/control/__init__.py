@@ -1,0 +1,1 @@
+"""Control plane, client side: the coordinator client, join tokens, the rendezvous store, kept HTTP connections."""

@@ -1,0 +1,1 @@
+"""Chunked, hashed transfer of named tensors between processes: manifests, a server, a resumable multi-source fetcher."""

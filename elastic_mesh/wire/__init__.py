@@ -1,0 +1,1 @@
+"""What travels between members during a collective: codecs, the quantized all-reduce, ring topology, pacing."""

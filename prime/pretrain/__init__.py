@@ -1,0 +1,1 @@
+"""The pretraining loop of one node: the Trainer and its config section."""

@@ -1,0 +1,1 @@
+"""Fault injection for tests and the chaos harness; never installed into a job by its config."""

@@ -1,0 +1,1 @@
+"""Commands that read a finished run: report, export, audit."""
