@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
-from elastic_mesh.transfer.snapshots import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
+from elastic_mesh.transfer.fetcher import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
 from elastic_mesh.wire.socket_pacing import GroupSockets, NewConnections
 from elastic_mesh.control.store import CoordinatorStore
 from elastic_mesh.wire.topology import LinkEstimates

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.transfer.snapshots import (DeferredSnapshot, Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer,
+from elastic_mesh.transfer.fetcher import (DeferredSnapshot, Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer,
                                    build_snapshot)
 
 KEY = "k" * 32
@@ -146,7 +146,7 @@ def test_a_source_killed_mid_transfer_is_replaced_by_the_others(tmp_path):
 FETCH = """
 import sys
 sys.path.insert(0, sys.argv[3])
-from elastic_mesh.transfer.snapshots import SnapshotFetcher
+from elastic_mesh.transfer.fetcher import SnapshotFetcher
 SnapshotFetcher(sys.argv[1].split(","), "%s", sys.argv[2], streams_per_source=1).fetch()
 """ % KEY
 

@@ -12,7 +12,7 @@ import time
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.wire.collectives import decode_wire
 from elastic_mesh.mesh import node_hash
-from elastic_mesh.transfer.snapshots import SnapshotError
+from elastic_mesh.transfer.fetcher import SnapshotError
 from prime.core.optim import bound_first_moment, load_adam_state
 from prime.diloco.outer_optimizer import local_shards
 

@@ -28,7 +28,7 @@ import torch
 
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.transfer.snapshots import DeferredSnapshot
+from elastic_mesh.transfer.fetcher import DeferredSnapshot
 from prime.diloco.catch_up import CatchUp
 from prime.testing.faults import ChaosConfig, corrupted, kill_node, take_command, take_command_text
 from prime.diloco.config import DilocoConfig

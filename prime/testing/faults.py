@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 from elastic_mesh.control.process_tree import kill_tree
-from elastic_mesh.transfer.snapshots import Snapshot
+from elastic_mesh.transfer.fetcher import Snapshot
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
