@@ -5,7 +5,7 @@ export OMP_NUM_THREADS ?= 1
 # Every node, coordinator and helper is a fresh interpreter: let them keep our modules' bytecode (~0.3 s each).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-unit bench clean
 
 $(VENV)/.installed: pyproject.toml launch/setup_env.sh
 	bash launch/setup_env.sh $(VENV)
@@ -19,6 +19,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+# The unit part alone (tests/unit, under 2 minutes): a developer's loop between full runs.
+test-unit: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow" tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -12,7 +12,6 @@ import copy
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -22,7 +21,10 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
-from elastic_mesh.transfer.fetcher import FetchReport, SnapshotError, SnapshotFetcher, SnapshotServer
+from elastic_mesh.rounds.plan import RoundClient, RoundPlan
+from elastic_mesh.transfer.chunks import TransferError
+from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport
+from elastic_mesh.transfer.server import ChunkServer
 from elastic_mesh.wire.socket_pacing import GroupSockets, NewConnections
 from elastic_mesh.control.store import CoordinatorStore
 from elastic_mesh.wire.topology import LinkEstimates
@@ -41,14 +43,14 @@ class MeshConfig(BaseModel):
     rendezvous_timeout_s: float = Field(60.0, gt=0, description="Longest wait for peers to form a global group.")
     request_timeout_s: float = Field(30.0, gt=0, description="Timeout of one request to the coordinator.")
     coordinator_retry_s: float = Field(300.0, gt=0, description="How long to keep retrying an unreachable coordinator.")
-    barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at an outer-step barrier.")
+    barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at a round's barrier.")
     interface: str | None = Field(None, description="Network interface the global groups use (e.g. eth0); "
                                   "None: the address the host name resolves to.")
     snapshot_port: int = Field(0, ge=0, le=65535, description="First port of the snapshot servers (local rank r "
                                "listens on snapshot_port + r); 0: any free port.")
-    snapshot_keep: int = Field(8, ge=1, description="Committed outer steps whose averaged update each node keeps "
+    snapshot_keep: int = Field(8, ge=1, description="Committed rounds whose update each node keeps "
                                "for peers that are behind (they replay instead of fetching the whole state).")
-    fetch_timeout_s: float = Field(60.0, gt=0, description="Timeout of one snapshot chunk request to a peer.")
+    fetch_timeout_s: float = Field(60.0, gt=0, description="Timeout of one chunk request to a peer.")
     streams_per_peer: int = Field(1, ge=1, le=16, description="TCP connections per peer pair for the outer "
                                   "all-reduce, each carrying a stripe of it at once: one TCP stream on a long, "
                                   "lossy, fast path is capped by loss recovery below the link rate (measured: 4 "
@@ -69,22 +71,6 @@ class MeshConfig(BaseModel):
                                       "share a small model's state; larger: fewer requests).")
 
 
-@dataclass
-class StepPlan:
-    status: str  # go | missed | resync
-    outer_step: int = 0
-    attempt: int = 0
-    epoch: int = 0
-    rank: int = 0
-    world_size: int = 0
-    members: list[dict] = field(default_factory=list)
-    committed_step: int = 0
-
-    @property
-    def contributes(self) -> list[bool]:
-        return [bool(m["contributes"]) for m in self.members]
-
-
 def node_hash(local_digest: bytes, group: dist.ProcessGroup | None = None) -> str:
     """One hash for the node from every local rank's digest of its shard (a collective of the local group)."""
     mine = torch.frombuffer(bytearray(local_digest.ljust(32, b"\0")[:32]), dtype=torch.uint8)
@@ -98,7 +84,8 @@ def node_hash(local_digest: bytes, group: dist.ProcessGroup | None = None) -> st
 
 
 class ElasticDeviceMesh:
-    def __init__(self, config: MeshConfig, token: str, node_facts: dict) -> None:
+    def __init__(self, config: MeshConfig, token: str, node_facts: dict, serves: dict[str, int]) -> None:
+        """serves: the kinds of state this node serves its peers, and how many versions of each it keeps."""
         if not dist.is_initialized():
             raise RuntimeError("initialise the node's local process group before the mesh (torchrun or a 1-rank group)")
         self.config, self.token, self.node_facts = config, token, node_facts
@@ -112,10 +99,11 @@ class ElasticDeviceMesh:
         # Link rates this local rank measured, kept across epochs (keyed by node name): the next ring's input.
         self.links = LinkEstimates()
         self._local_group: dist.ProcessGroup | None = None  # None: the default (local) group
-        # Every local rank serves its own shard's snapshots; the key arrives with the join answer.
+        # Every local rank serves its own part of the state; the key arrives with the join answer.
         port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
-        self.snapshots = SnapshotServer("0.0.0.0", port, key="", keep=config.snapshot_keep)
-        self.node_facts = {**node_facts, "snapshot_ports": self.gather(self.snapshots.port)}
+        self.server = ChunkServer("0.0.0.0", port, key="", keep=serves)
+        self.node_facts = {**node_facts, "server_ports": self.gather(self.server.port)}
+        self.rounds = RoundClient(self.client, self._leader_call, config.barrier_timeout_s)
         self.joined = self._join()
 
     # ---- talking to the coordinator (local rank 0), shared with the node ------------------------------
@@ -130,7 +118,7 @@ class ElasticDeviceMesh:
         if "error" in answer:
             raise CoordinatorError(f"the coordinator refused this node: {answer['error']}")
         self.client.credentials = Credentials(self.client.address, answer["node_id"], answer["session"], answer["name"])
-        self.snapshots.key = answer["snapshot_key"]
+        self.server.key = answer["transfer_key"]
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
@@ -165,10 +153,11 @@ class ElasticDeviceMesh:
 
     def background_view(self) -> "ElasticDeviceMesh":
         """The same mesh whose local agreements and coordinator calls run over a second local Gloo group,
-        for one background thread (an outer step in flight while the inner steps run): two threads must
+        for one background thread (a round in flight while the caller computes): two threads must
         never interleave collectives on one group. Collective: every local rank calls it, in the same order."""
         view = copy.copy(self)
         view._local_group = dist.new_group(backend="gloo") if self.local_world > 1 else None
+        view.rounds = RoundClient(self.client, view._leader_call, self.config.barrier_timeout_s)
         return view
 
     def node_hash(self, local_digest: bytes) -> str:
@@ -196,35 +185,12 @@ class ElasticDeviceMesh:
     def name(self) -> str:
         return self.joined["name"]
 
-    def plan(self, outer_step: int, contributes: bool = True) -> StepPlan:
-        """Declares this node ready for `outer_step`; returns who takes part once the coordinator decides."""
-        body = {"outer_step": outer_step, "contributes": contributes}
-        answer = self._leader_call(lambda: self.client.long_poll(
-            "/v1/ready", body, lambda a: a.get("status") != "wait", self.config.barrier_timeout_s))
-        return StepPlan(**{k: answer[k] for k in StepPlan.__dataclass_fields__ if k in answer})
-
-    def vote(self, plan: StepPlan, ok: bool, refused: dict[int, str], blame: list[int], seconds: float,
-             data: list[dict] | None = None) -> str:
-        """Asks the coordinator whether every member succeeded; 'apply' or 'abort', the same for all.
-        `data` is what the node's workers read this round (see coordinator/ledger.py): recorded only if
-        the step is applied with this node's contribution in the average."""
-        body = {"outer_step": plan.outer_step, "attempt": plan.attempt, "ok": ok, "allreduce_s": seconds,
-                "refused": {plan.members[r]["node_id"]: why for r, why in refused.items()},
-                "blame": [plan.members[r]["node_id"] for r in blame], "data": data or []}
-        answer = self._leader_call(lambda: self.client.long_poll(
-            "/v1/vote", body, lambda a: "decision" in a, self.config.barrier_timeout_s))
-        return answer["decision"]
-
-    def commit(self, outer_step: int, model_hash: str) -> dict:
-        return self._leader_call(lambda: self.client.post("/v1/commit", {"outer_step": outer_step,
-                                                                         "model_hash": model_hash}))
-
-    def lease_data(self, worker: int, held: list[int]) -> dict | None:
-        """A data shard for one worker (called by that local rank itself, mid-round, without the others);
-        `held`: the shards it holds already. None when the coordinator has dropped this node: the round
-        will be discarded anyway."""
+    def lease(self, kind: str, worker: int, held: list[int]) -> dict | None:
+        """A work item of `kind` for one worker (called by that local rank itself, mid-round, without the
+        others); `held`: the items it holds already. None when the coordinator has dropped this node: the
+        round will be discarded anyway."""
         try:
-            return self.client.post("/v1/data/lease", {"worker": worker, "held": held})
+            return self.client.post("/v1/lease", {"kind": kind, "worker": worker, "held": held})
         except CoordinatorError as e:
             if e.status in (401, 410):
                 return None
@@ -235,40 +201,22 @@ class ElasticDeviceMesh:
         self.joined = self._join()
         return self.joined
 
-    # ---- catching up: state from peers' snapshot servers ---------------------------------------------
-    def sources(self) -> dict:
-        """The last committed step, its recent hashes, and the peers that hold it (same for all local ranks)."""
-        answer = self._leader_call(lambda: self.client.post("/v1/sources", {}))
-        answer["hashes"] = {int(k): v for k, v in answer["hashes"].items()}
-        return answer
-
-    def will_join(self, outer_step: int) -> bool:
-        """Tells the coordinator the outer step this node, still catching up, will be back for, so that
-        step's barrier waits for it (up to the deadline). False if that step's members are fixed already."""
-        return self._leader_call(lambda: self.client.post("/v1/will_join", {"outer_step": outer_step}))[
-            "status"] == "ok"
-
-    def wait_commit(self, after: int) -> int:
-        """Blocks until an outer step after `after` commits; returns the last committed step."""
-        answer = self._leader_call(lambda: self.client.long_poll(
-            "/v1/wait_commit", {"after": after}, lambda a: "committed_step" in a, self.config.barrier_timeout_s))
-        return int(answer["committed_step"])
-
-    def fetch(self, sources: dict, kind: str, step: int | None, work_dir: Path,
+    # ---- catching up: state from peers' transfer servers ---------------------------------------------
+    def fetch(self, sources: dict, kind: str, version: int | None, work_dir: Path,
               mixed: bool = False) -> tuple[dict, dict, FetchReport]:
-        """This local rank's shard of `kind` at `step` from every source's server for the same local rank
-        (mixed: state that differs between nodes, see SnapshotFetcher.fetch)."""
-        addresses = [s["snapshot"][self.local_rank] for s in sources["sources"] if len(s["snapshot"]) > self.local_rank]
+        """This local rank's part of `kind` at `version` from every source's server for the same local rank
+        (mixed: state that differs between nodes, see ChunkFetcher.fetch)."""
+        addresses = [s["servers"][self.local_rank] for s in sources["sources"] if len(s["servers"]) > self.local_rank]
         if not addresses:
-            raise SnapshotError(f"no live node holds outer step {sources['committed_step']} to fetch from; if all "
+            raise TransferError(f"no live node holds round {sources['committed_round']} to fetch from; if all "
                                 "the nodes that had it are gone, restart the run from a checkpoint (--resume)")
-        fetcher = SnapshotFetcher(addresses, self.snapshots.key, work_dir, timeout_s=self.config.fetch_timeout_s)
-        manifest, tensors, report = fetcher.fetch(step, kind, mixed)
+        fetcher = ChunkFetcher(addresses, self.server.key, work_dir, timeout_s=self.config.fetch_timeout_s)
+        manifest, tensors, report = fetcher.fetch(kind, version, mixed)
         problems = [f"{len(found)} {what} ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})"
                     for found, what in ((report.corrupt, "chunk(s) did not match their hash"),
                                         (report.failed, "request(s) failed")) if found]
         if problems:
-            log.warning("%s %d: %s; all taken from other sources", kind, report.step, ", ".join(problems))
+            log.warning("%s %d: %s; all taken from other sources", kind, report.version, ", ".join(problems))
         return manifest, tensors, report
 
     @property
@@ -277,7 +225,7 @@ class ElasticDeviceMesh:
         return bool(self.share({"lost": lost})["lost"])
 
     # ---- the global group of this local rank -------------------------------------------------------
-    def group(self, plan: StepPlan) -> list[dist.ProcessGroup]:
+    def group(self, plan: RoundPlan) -> list[dist.ProcessGroup]:
         """This local rank's global group(s) for the plan's epoch: streams_per_peer groups over the same
         members, each with its own TCP connection per peer pair (made once per epoch)."""
         groups = self._groups.get(plan.epoch)
@@ -328,4 +276,4 @@ class ElasticDeviceMesh:
                     pass  # the coordinator will notice the missing heartbeats instead
         self._groups.clear()
         self._sockets.clear()
-        self.snapshots.stop()
+        self.server.stop()

@@ -16,7 +16,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from elastic_mesh.mesh import MeshConfig
-from prime.testing.faults import ChaosConfig
 from prime.core.checkpoint import CheckpointConfig
 from prime.data.loader import DataConfig
 from prime.diloco.config import DilocoConfig
@@ -42,7 +41,6 @@ class JobConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     diloco: DilocoConfig = Field(default_factory=DilocoConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
-    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> "JobConfig":
@@ -122,8 +120,21 @@ def _set_dotted(raw: dict, dotted: str, value: object) -> None:
     node[keys[-1]] = value
 
 
-def _field_annotation(dotted: str) -> object | None:
-    model: type[BaseModel] = JobConfig
+def load_section(model: type[BaseModel], overrides: dict[str, str], prefix: str) -> BaseModel:
+    """A config model that is not part of the job (fault injection), from its own `--PREFIXkey value`
+    overrides, parsed and checked like the job's."""
+    raw: dict = {}
+    for key, text in overrides.items():
+        _set_dotted(raw, key, _parse_value(key, text, model))
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        message = _describe(e, None, model).replace("\n  ", f"\n  {prefix}")
+        raise ConfigError(message) from None
+
+
+def _field_annotation(dotted: str, root: type[BaseModel] = JobConfig) -> object | None:
+    model: type[BaseModel] = root
     annotation: object | None = None
     for key in dotted.split("."):
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or key not in model.model_fields:
@@ -140,9 +151,9 @@ def _is_text_field(annotation: object) -> bool:
     return annotation is str or origin is typing.Literal
 
 
-def _parse_value(dotted: str, text: str) -> object:
+def _parse_value(dotted: str, text: str, root: type[BaseModel] = JobConfig) -> object:
     # Strings stay strings (a path named "1e3" is still a path); anything else is read as a TOML value.
-    annotation = _field_annotation(dotted)
+    annotation = _field_annotation(dotted, root)
     if _is_text_field(annotation):
         return None if text in ("None", "null") and type(None) in typing.get_args(annotation) else text
     try:
@@ -151,13 +162,13 @@ def _parse_value(dotted: str, text: str) -> object:
         return text
 
 
-def _describe(error: ValidationError, path: Path | None) -> str:
+def _describe(error: ValidationError, path: Path | None, root: type[BaseModel] = JobConfig) -> str:
     where = f" in {path}" if path else ""
     lines = [f"invalid configuration{where}:"]
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "(top level)"
         if item["type"] == "extra_forbidden":
-            section = _field_annotation(".".join(str(p) for p in item["loc"][:-1])) if len(item["loc"]) > 1 else JobConfig
+            section = _field_annotation(".".join(str(p) for p in item["loc"][:-1]), root) if len(item["loc"]) > 1 else root
             known = sorted(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
             lines.append(f"  {field}: unknown key; known keys here: {', '.join(known)}")
         else:

@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 
 from prime.core.cli import setup_logging, split_overrides
-from prime.config import ConfigError, describe_fields, load_config
+from prime.config import ConfigError, describe_fields, load_config, load_section
+from prime.testing.faults import PREFIX, FaultConfig, FaultHook, split_fault_overrides
 
 USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--join TOKEN [--name NAME]] [--resume] [--quiet]
                               [--section.key VALUE ...]
@@ -37,15 +38,21 @@ options:
 config fields (override any with --section.key VALUE):
 """
 
+FAULTS = """
+fault injection, for tests and the chaos harness (not part of the job's config; off by default):
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(USAGE + "\n".join(describe_fields()))
+        print(USAGE + "\n".join(describe_fields()) + FAULTS + "\n".join(describe_fields(FaultConfig, PREFIX)))
         return 0
     flags, overrides = split_overrides(argv, {"config", "run-dir", "join", "name"}, {"resume", "quiet"})
+    overrides, fault_overrides = split_fault_overrides(overrides)
     try:
         config = load_config(flags.get("config"), overrides)
+        faults = load_section(FaultConfig, fault_overrides, PREFIX)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -69,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             trainer = Trainer(config, group, run_dir, resume=bool(flags.get("resume")), quiet=bool(flags.get("quiet")))
+            fault_hook = FaultHook(faults) if faults.active else None
             if flags.get("join"):
-                mesh = attach_to_run(trainer, config, str(flags["join"]), flags.get("name"))
+                mesh = attach_to_run(trainer, config, str(flags["join"]), flags.get("name"), fault_hook)
+            if fault_hook is not None:  # before the DiLoCo hook: a kill at inner step k comes before its outer step
+                fault_hook.server = mesh.server if mesh is not None else None
+                trainer.hooks.insert(0, fault_hook)
         except (ConfigError, FileNotFoundError, ValueError, TokenError, CoordinatorError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

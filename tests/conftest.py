@@ -33,6 +33,13 @@ def member_processes(module: str):
     return ctx
 
 
+def pytest_collection_modifyitems(config, items):
+    # tests/e2e/ holds the end-to-end runs: `pytest -m "not e2e"` is the unit part (under 2 minutes).
+    for item in items:
+        if "/tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
 def child_env() -> dict[str, str]:
     # Two cores are shared by every simulated process: one thread each, whatever the caller's setting.
     return {**cluster_env(), "OMP_NUM_THREADS": "1"}

@@ -2,7 +2,7 @@
 
 Over a WAN link every new connection costs a round trip before the request can even go out (160 ms
 between two `global` hosts), and a new connection starts TCP's slow start again. A node asks the
-coordinator several questions per outer step (ready, vote, commit, rendezvous keys), and a joiner
+coordinator several questions per round (ready, vote, commit, rendezvous keys), and a joiner
 fetches a snapshot chunk by chunk, so both keep their connections open between requests.
 
 A kept connection the server closed while it sat idle (servers here drop one after 30 s without a

@@ -14,11 +14,11 @@ class CoordinatorConfig(BaseModel):
 
     lease_s: float = Field(6.0, gt=0, description="A node that sends no heartbeat for this long is declared dead.")
     heartbeat_s: float = Field(1.0, gt=0, description="How often nodes are told to send heartbeats.")
-    min_wait_s: float = Field(10.0, ge=0, description="Shortest wait for late nodes at an outer-step barrier.")
+    min_wait_s: float = Field(10.0, ge=0, description="Shortest wait for late nodes at a round's barrier.")
     deadline_factor: float = Field(
         0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
     poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
-    start_nodes: int = Field(1, ge=1, description="The first outer step waits until this many nodes are ready.")
+    start_nodes: int = Field(1, ge=1, description="The first round waits until this many nodes are ready.")
     public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
                                 "(Authorization: Bearer TOKEN) or a node's session.")
     max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")

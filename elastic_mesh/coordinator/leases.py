@@ -1,17 +1,18 @@
-"""Exactly-once work: the run's data shards, who holds each, and how far each is consumed.
+"""Exactly-once work: leases of numbered work items of any kind, who holds each, how far each is consumed.
 
-The coordinator knows nothing of documents or tokens. A shard is an index; its cursor is an opaque
-list of integers that only the nodes interpret (for prime: document and token offset). A worker (one
-local rank of a node) leases a free shard and reads from the shard's committed cursor on. The cursor
-moves only when an outer step that averaged that worker's pseudo-gradient is applied, in the same
-transaction as the decision, so:
+One mechanism for every kind of work a run hands out (the data a pretraining run reads today, the
+prompts an RL run has rollouts made for next). The coordinator knows nothing of what an item is: an
+item is an index; its cursor is an opaque list of integers that only the members interpret (for a
+data shard: document and token offset). A worker (one local rank of a node) leases a free item and
+consumes it from the item's committed cursor on. The cursor moves only when a round that counted
+that worker's contribution is applied, in the same transaction as the decision, so:
 
-- a node that dies, is refused, or misses the step loses only its uncommitted reading: its shards keep
-  their committed cursors and go back to the pool (dead) or are re-read by the same node (refused);
-- a shard read to its end is free again for its next pass once that step commits.
+- a node that dies, is refused, or misses the round loses only its uncommitted work: its items keep
+  their committed cursors and go back to the pool (dead) or are taken again by the same node (refused);
+- an item consumed to its end is free again for its next pass once that round commits.
 
-Every committed range is logged, so an audit can prove each document entered exactly one committed
-outer step per pass.
+Every committed range is logged, so an audit can prove each piece of work entered exactly one
+committed round per pass.
 """
 
 from __future__ import annotations
@@ -27,124 +28,169 @@ class LedgerError(ValueError):
 
 
 @dataclass
-class ShardRange:
-    """What a worker read of one shard in one round: from the committed cursor to `end`."""
+class ItemRange:
+    """What a worker consumed of one item in one round: from the committed cursor to `end`."""
 
     worker: int
-    shard: int
+    item: int
     pass_: int
     start: list[int]
     end: list[int]
     finished: bool
 
     @classmethod
-    def parse(cls, entry: object, workers: int) -> "ShardRange":
+    def parse(cls, entry: object, workers: int) -> "ItemRange":
         if not isinstance(entry, dict):
-            raise LedgerError(f"a data report entry must be an object, got {type(entry).__name__}")
+            raise LedgerError(f"a work report entry must be an object, got {type(entry).__name__}")
         try:
-            worker, shard, pass_ = int(entry["worker"]), int(entry["shard"]), int(entry["pass"])
+            worker, item, pass_ = int(entry["worker"]), int(entry["item"]), int(entry["pass"])
             start, end = [int(v) for v in entry["start"]], [int(v) for v in entry["end"]]
             finished = entry["finished"]
         except (KeyError, TypeError, ValueError) as e:
-            raise LedgerError(f"malformed data report entry {str(entry)[:120]}: {e}") from None
+            raise LedgerError(f"malformed work report entry {str(entry)[:120]}: {e}") from None
         if not isinstance(finished, bool) or not 0 <= worker < workers or len(start) > 8 or len(end) > 8:
-            raise LedgerError(f"data report entry out of range: {str(entry)[:120]}")
-        return cls(worker, shard, pass_, start, end, finished)
+            raise LedgerError(f"work report entry out of range: {str(entry)[:120]}")
+        return cls(worker, item, pass_, start, end, finished)
 
 
-def parse_report(report: object, workers: int) -> list[ShardRange]:
+def parse_report(report: object, workers: int) -> dict[str, list[ItemRange]]:
+    """{kind: [ranges]} from a vote's `consumed` field, checked for shape and size."""
     if report is None:
-        return []
-    if not isinstance(report, list) or len(report) > _MAX_REPORT_ENTRIES:
-        raise LedgerError(f"a data report is a list of at most {_MAX_REPORT_ENTRIES} entries")
-    return [ShardRange.parse(e, workers) for e in report]
+        return {}
+    if not isinstance(report, dict) or not all(isinstance(k, str) and isinstance(v, list) for k, v in report.items()):
+        raise LedgerError("a work report maps each kind of work to a list of ranges")
+    if sum(len(v) for v in report.values()) > _MAX_REPORT_ENTRIES:
+        raise LedgerError(f"a work report holds at most {_MAX_REPORT_ENTRIES} entries")
+    return {kind: [ItemRange.parse(e, workers) for e in entries] for kind, entries in report.items()}
 
 
-class DataLedger:
-    """Runs inside the coordinator's transactions (callers hold its lock and open the transaction)."""
+class WorkLedger:
+    """The items of one kind of work. Runs inside the coordinator's transactions (callers hold its
+    lock and open the transaction)."""
+
+    def __init__(self, db, kind: str) -> None:
+        self.db, self.kind = db, kind
+
+    @property
+    def items(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM work_items WHERE kind = ?", (self.kind,)).fetchone()[0]
+
+    def configure(self, items: int) -> None:
+        """Creates the item rows once, when the first node that takes this kind of work joins."""
+        if self.items == 0 and items > 0:
+            self.db.executemany("INSERT INTO work_items VALUES (?, ?, 0, '[]', NULL, NULL, NULL)",
+                                [(self.kind, i) for i in range(items)])
+
+    def lease(self, node_id: str, worker: int, held: list[int], sticky: str = "") -> dict:
+        """A free item for one worker: the one this worker (`sticky`: node name / local rank) took last,
+        if free (a resumed or restarted node goes on where it left off, and a resumed run repeats itself
+        exactly), else the one with the fewest passes, lowest index first. `held` lists the items the
+        worker knows it holds: one leased to it that it does not list is an answer that got lost on the
+        way (a retried request), and is answered again instead of leasing another."""
+        lost = self.db.execute("SELECT item, pass, cursor FROM work_items WHERE kind = ? AND holder = ? AND worker = ? "
+                               "ORDER BY item", (self.kind, node_id, worker)).fetchall()
+        for row in lost:
+            if row[0] not in held:
+                return {"kind": self.kind, "item": row[0], "pass": row[1], "cursor": json.loads(row[2])}
+        row = self.db.execute("SELECT item, pass, cursor FROM work_items WHERE kind = ? AND holder IS NULL "
+                              "ORDER BY CASE WHEN sticky = ? THEN 0 ELSE 1 END, pass, item LIMIT 1",
+                              (self.kind, sticky)).fetchone()
+        if row is None:
+            raise LedgerError(f"all {self.items} {self.kind} items are leased to other workers; cut the work into "
+                              "more items than the run has local ranks in all nodes together")
+        self.db.execute("UPDATE work_items SET holder = ?, worker = ?, sticky = ? WHERE kind = ? AND item = ?",
+                        (node_id, worker, sticky or None, self.kind, row[0]))
+        return {"kind": self.kind, "item": row[0], "pass": row[1], "cursor": json.loads(row[2])}
+
+    def release(self, node_id: str) -> int:
+        """A node that died or left: its items go back to the pool at their committed cursors."""
+        return self.db.execute("UPDATE work_items SET holder = NULL, worker = NULL WHERE kind = ? AND holder = ?",
+                               (self.kind, node_id)).rowcount
+
+    def check(self, node_id: str, ranges: list[ItemRange]) -> str | None:
+        """Why `ranges` cannot be committed for node_id, or None when every range starts at its item's
+        committed cursor, in a pass and an item the node holds."""
+        for r in ranges:
+            row = self.db.execute("SELECT pass, cursor, holder FROM work_items WHERE kind = ? AND item = ?",
+                                  (self.kind, r.item)).fetchone()
+            if row is None:
+                return f"{self.kind} item {r.item} does not exist (the run has {self.items})"
+            if row[2] != node_id:
+                return f"{self.kind} item {r.item} is not leased to this node"
+            if row[0] != r.pass_ or json.loads(row[1]) != r.start:
+                return (f"{self.kind} item {r.item} was consumed from pass {r.pass_} cursor {r.start}, but its "
+                        f"committed position is pass {row[0]} cursor {json.loads(row[1])}")
+        return None
+
+    def commit(self, number: int, node_id: str, ranges: list[ItemRange]) -> None:
+        """Round `number` counted these ranges: the cursors move (in the caller's transaction)."""
+        for r in ranges:
+            if r.finished:  # consumed to its end: the next pass starts from the top, taken by whoever leases it
+                self.db.execute("UPDATE work_items SET pass = pass + 1, cursor = '[]', holder = NULL, worker = NULL "
+                                "WHERE kind = ? AND item = ?", (self.kind, r.item))
+            else:
+                self.db.execute("UPDATE work_items SET cursor = ? WHERE kind = ? AND item = ?",
+                                (json.dumps(r.end), self.kind, r.item))
+            self.db.execute("INSERT INTO work_log (round, kind, node_id, worker, item, pass, start, end, finished) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (number, self.kind, node_id, r.worker, r.item, r.pass_,
+                                                                   json.dumps(r.start), json.dumps(r.end), int(r.finished)))
+
+    def roll_back(self, number: int) -> None:
+        """The ledger as it was when round `number` committed (a whole-run resume from saved state):
+        later ranges are forgotten, every item's pass and cursor recomputed from the log, all leases ended."""
+        self.db.execute("DELETE FROM work_log WHERE kind = ? AND round > ?", (self.kind, number))
+        for (item,) in self.db.execute("SELECT item FROM work_items WHERE kind = ?", (self.kind,)).fetchall():
+            rows = self.db.execute("SELECT end, finished FROM work_log WHERE kind = ? AND item = ? ORDER BY id",
+                                   (self.kind, item)).fetchall()
+            passes = sum(f for _, f in rows)
+            cursor = rows[-1][0] if rows and not rows[-1][1] else "[]"
+            self.db.execute("UPDATE work_items SET pass = ?, cursor = ?, holder = NULL, worker = NULL "
+                            "WHERE kind = ? AND item = ?", (passes, cursor, self.kind, item))
+
+    def summary(self) -> dict:
+        rows = self.db.execute("SELECT pass, holder FROM work_items WHERE kind = ?", (self.kind,)).fetchall()
+        return {"items": len(rows), "leased": sum(1 for _, h in rows if h),
+                "min_pass": min((p for p, _ in rows), default=0), "max_pass": max((p for p, _ in rows), default=0)}
+
+    def log(self) -> list[dict]:
+        rows = self.db.execute("SELECT round, node_id, worker, item, pass, start, end, finished FROM work_log "
+                               "WHERE kind = ? ORDER BY id", (self.kind,)).fetchall()
+        return [{"round": n, "node_id": nid, "worker": w, "item": i, "pass": p, "start": json.loads(a),
+                 "end": json.loads(b), "finished": bool(f)} for n, nid, w, i, p, a, b, f in rows]
+
+
+class WorkLedgers:
+    """Every kind of work of a run, each kind made when the first node that takes it joins."""
 
     def __init__(self, db) -> None:
         self.db = db
 
-    @property
-    def shards(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM data_shards").fetchone()[0]
+    def kinds(self) -> list[str]:
+        return [k for (k,) in self.db.execute("SELECT DISTINCT kind FROM work_items ORDER BY kind")]
 
-    def configure(self, shards: int) -> None:
-        """Creates the shard rows once, when the first node that reads data joins."""
-        if self.shards == 0 and shards > 0:
-            self.db.executemany("INSERT INTO data_shards VALUES (?, 0, '[]', NULL, NULL, NULL)",
-                                [(s,) for s in range(shards)])
+    def __getitem__(self, kind: str) -> WorkLedger:
+        return WorkLedger(self.db, kind)
 
-    def lease(self, node_id: str, worker: int, held: list[int], sticky: str = "") -> dict:
-        """A free shard for one worker: the one this worker (`sticky`: node name / local rank) read last,
-        if free (a resumed or restarted node reads on where it left off, and a resumed run repeats itself
-        exactly), else the one with the fewest passes, lowest index first. `held` lists the shards the
-        worker knows it holds: one leased to it that it does not list is an answer that got lost on the
-        way (a retried request), and is answered again instead of leasing another."""
-        lost = self.db.execute("SELECT shard, pass, cursor FROM data_shards WHERE holder = ? AND worker = ? "
-                               "ORDER BY shard", (node_id, worker)).fetchall()
-        for row in lost:
-            if row[0] not in held:
-                return {"shard": row[0], "pass": row[1], "cursor": json.loads(row[2])}
-        row = self.db.execute("SELECT shard, pass, cursor FROM data_shards WHERE holder IS NULL "
-                              "ORDER BY CASE WHEN sticky = ? THEN 0 ELSE 1 END, pass, shard LIMIT 1", (sticky,)).fetchone()
-        if row is None:
-            held = self.shards
-            raise LedgerError(f"all {held} data shards are leased to other workers; cut the data into more shards "
-                              "(data.parts_per_file) than the run has local ranks in all nodes together")
-        self.db.execute("UPDATE data_shards SET holder = ?, worker = ?, sticky = ? WHERE shard = ?",
-                        (node_id, worker, sticky or None, row[0]))
-        return {"shard": row[0], "pass": row[1], "cursor": json.loads(row[2])}
+    def release(self, node_id: str) -> None:
+        for kind in self.kinds():
+            self[kind].release(node_id)
 
-    def release(self, node_id: str) -> int:
-        """A node that died or left: its shards go back to the pool at their committed cursors."""
-        return self.db.execute("UPDATE data_shards SET holder = NULL, worker = NULL WHERE holder = ?",
-                               (node_id,)).rowcount
-
-    def check(self, node_id: str, ranges: list[ShardRange]) -> str | None:
-        """Why `ranges` cannot be committed for node_id, or None when every range starts at its shard's
-        committed cursor, in a pass and a shard the node holds."""
-        for r in ranges:
-            row = self.db.execute("SELECT pass, cursor, holder FROM data_shards WHERE shard = ?", (r.shard,)).fetchone()
-            if row is None:
-                return f"shard {r.shard} does not exist (the run has {self.shards})"
-            if row[2] != node_id:
-                return f"shard {r.shard} is not leased to this node"
-            if row[0] != r.pass_ or json.loads(row[1]) != r.start:
-                return (f"shard {r.shard} was read from pass {r.pass_} cursor {r.start}, but its committed position "
-                        f"is pass {row[0]} cursor {json.loads(row[1])}")
+    def check(self, node_id: str, consumed: dict[str, list[ItemRange]]) -> str | None:
+        known = set(self.kinds())
+        for kind, ranges in consumed.items():
+            if ranges and kind not in known:
+                return f"this run hands out no {kind!r} work (it has: {sorted(known)})"
+            if ranges and (why := self[kind].check(node_id, ranges)):
+                return why
         return None
 
-    def commit(self, outer_step: int, node_id: str, ranges: list[ShardRange]) -> None:
-        for r in ranges:
-            if r.finished:  # read to its end: the next pass starts from the top, read by whoever leases it
-                self.db.execute("UPDATE data_shards SET pass = pass + 1, cursor = '[]', holder = NULL, worker = NULL "
-                                "WHERE shard = ?", (r.shard,))
-            else:
-                self.db.execute("UPDATE data_shards SET cursor = ? WHERE shard = ?", (json.dumps(r.end), r.shard))
-            self.db.execute("INSERT INTO data_log (outer_step, node_id, worker, shard, pass, start, end, finished) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (outer_step, node_id, r.worker, r.shard, r.pass_,
-                                                                json.dumps(r.start), json.dumps(r.end), int(r.finished)))
+    def commit(self, number: int, node_id: str, consumed: dict[str, list[ItemRange]]) -> None:
+        for kind, ranges in consumed.items():
+            self[kind].commit(number, node_id, ranges)
 
-    def roll_back(self, outer_step: int) -> None:
-        """The ledger as it was when `outer_step` committed (a whole-run resume from checkpoints): later
-        ranges are forgotten, every shard's pass and cursor recomputed from the log, all leases ended."""
-        self.db.execute("DELETE FROM data_log WHERE outer_step > ?", (outer_step,))
-        for (shard,) in self.db.execute("SELECT shard FROM data_shards").fetchall():
-            rows = self.db.execute("SELECT end, finished FROM data_log WHERE shard = ? ORDER BY id", (shard,)).fetchall()
-            passes = sum(f for _, f in rows)
-            cursor = rows[-1][0] if rows and not rows[-1][1] else "[]"
-            self.db.execute("UPDATE data_shards SET pass = ?, cursor = ?, holder = NULL, worker = NULL WHERE shard = ?",
-                            (passes, cursor, shard))
+    def roll_back(self, number: int) -> None:
+        for kind in self.kinds():
+            self[kind].roll_back(number)
 
     def summary(self) -> dict:
-        rows = self.db.execute("SELECT pass, holder FROM data_shards").fetchall()
-        return {"shards": len(rows), "leased": sum(1 for _, h in rows if h), "min_pass": min((p for p, _ in rows), default=0),
-                "max_pass": max((p for p, _ in rows), default=0)}
-
-    def log(self) -> list[dict]:
-        rows = self.db.execute("SELECT outer_step, node_id, worker, shard, pass, start, end, finished FROM data_log "
-                               "ORDER BY id").fetchall()
-        return [{"outer_step": s, "node_id": n, "worker": w, "shard": sh, "pass": p, "start": json.loads(a),
-                 "end": json.loads(b), "finished": bool(f)} for s, n, w, sh, p, a, b, f in rows]
+        return {kind: self[kind].summary() for kind in self.kinds()}

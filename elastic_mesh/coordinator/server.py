@@ -134,7 +134,7 @@ def _refuse_dead_epoch(c: Coordinator, key: str) -> None:
     """A rendezvous key of an aborted epoch will never appear (its member died): say so instead of
     letting Gloo wait for its own time-out."""
     epoch = key[1:].split("/", 1)[0] if key.startswith("e") else ""
-    if epoch.isdigit() and c.epoch_is_dead(int(epoch)):
+    if epoch.isdigit() and c.rounds.epoch_is_dead(int(epoch)):
         raise Refused(410, f"epoch {epoch} was aborted (a member died before the rendezvous completed)")
 
 
@@ -176,14 +176,14 @@ _ROUTES = {
     "/v1/join": None,
     "/v1/heartbeat": lambda c, n, b: c.heartbeat(n, b),
     "/v1/leave": lambda c, n, b: c.leave(n),
-    "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.declare_ready(c.state.node(n.node_id), b)),
-    "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.vote(c.state.node(n.node_id), b)),
-    "/v1/commit": lambda c, n, b: c.commit(n, b),
-    "/v1/will_join": lambda c, n, b: c.will_join(n, b),
-    "/v1/sources": lambda c, n, b: c.sources(n),
-    "/v1/data/lease": lambda c, n, b: c.lease_data(n, b),
+    "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.rounds.declare_ready(c.state.node(n.node_id), b)),
+    "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.rounds.vote(c.state.node(n.node_id), b)),
+    "/v1/commit": lambda c, n, b: c.rounds.commit(n, b),
+    "/v1/will_join": lambda c, n, b: c.rounds.will_join(n, b),
+    "/v1/sources": lambda c, n, b: c.rounds.sources(n),
+    "/v1/lease": lambda c, n, b: c.lease(n, b),
     "/v1/wait_commit": lambda c, n, b: _long_poll(c, lambda: (
-        {"committed_step": c.state.committed_step()} if c.state.committed_step() > int(b["after"]) else None)),
+        {"committed_round": c.state.committed_round()} if c.state.committed_round() > int(b["after"]) else None)),
     "/v1/store/get": _store_get,
     "/v1/store/set": _store_set,
     "/v1/store/add": _store_add,

@@ -1,5 +1,5 @@
-"""The coordinator's durable state in SQLite: run, nodes, outer-step decisions, rendezvous entries, events,
-the data ledger (see ledger.py) and the dashboard's telemetry.
+"""The coordinator's durable state in SQLite: run, nodes, round decisions, rendezvous entries, events,
+the work ledgers (see leases.py) and the dashboard's telemetry.
 
 Every method is one transaction. Nothing here knows about time-outs or leases; those live in memory.
 """
@@ -16,21 +16,21 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, name TEXT NOT NULL, session_hash TEXT NOT NULL, node_index INTEGER NOT NULL,
-    state TEXT NOT NULL, joined_at REAL NOT NULL, outer_step INTEGER NOT NULL, model_hash TEXT NOT NULL,
+    state TEXT NOT NULL, joined_at REAL NOT NULL, round INTEGER NOT NULL, state_hash TEXT NOT NULL,
     address TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0,
-    needs_resync INTEGER NOT NULL DEFAULT 0, snapshot TEXT NOT NULL DEFAULT '[]');
-CREATE TABLE IF NOT EXISTS steps (
-    outer_step INTEGER NOT NULL, attempt INTEGER NOT NULL, epoch INTEGER NOT NULL, members TEXT NOT NULL,
-    decision TEXT NOT NULL, model_hash TEXT, decided_at REAL NOT NULL, allreduce_s REAL,
-    PRIMARY KEY (outer_step, attempt));
+    needs_resync INTEGER NOT NULL DEFAULT 0, servers TEXT NOT NULL DEFAULT '[]');
+CREATE TABLE IF NOT EXISTS rounds (
+    round INTEGER NOT NULL, attempt INTEGER NOT NULL, epoch INTEGER NOT NULL, members TEXT NOT NULL,
+    decision TEXT NOT NULL, state_hash TEXT, decided_at REAL NOT NULL, allreduce_s REAL,
+    PRIMARY KEY (round, attempt));
 CREATE TABLE IF NOT EXISTS commits (
-    outer_step INTEGER NOT NULL, node_id TEXT NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (outer_step, node_id));
+    round INTEGER NOT NULL, node_id TEXT NOT NULL, state_hash TEXT NOT NULL, PRIMARY KEY (round, node_id));
 CREATE TABLE IF NOT EXISTS store (key TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, text TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS data_shards (shard INTEGER PRIMARY KEY, pass INTEGER NOT NULL, cursor TEXT NOT NULL,
-    holder TEXT, worker INTEGER, sticky TEXT);
-CREATE TABLE IF NOT EXISTS data_log (id INTEGER PRIMARY KEY AUTOINCREMENT, outer_step INTEGER NOT NULL,
-    node_id TEXT NOT NULL, worker INTEGER NOT NULL, shard INTEGER NOT NULL, pass INTEGER NOT NULL, start TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS work_items (kind TEXT NOT NULL, item INTEGER NOT NULL, pass INTEGER NOT NULL,
+    cursor TEXT NOT NULL, holder TEXT, worker INTEGER, sticky TEXT, PRIMARY KEY (kind, item));
+CREATE TABLE IF NOT EXISTS work_log (id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, kind TEXT NOT NULL,
+    node_id TEXT NOT NULL, worker INTEGER NOT NULL, item INTEGER NOT NULL, pass INTEGER NOT NULL, start TEXT NOT NULL,
     end TEXT NOT NULL, finished INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS telemetry (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, time REAL NOT NULL,
     record TEXT NOT NULL);
@@ -45,23 +45,23 @@ class Node:
     node_index: int
     state: str  # active | left | dead | evicted
     joined_at: float
-    outer_step: int
-    model_hash: str
+    round: int  # the last committed round whose state the node holds
+    state_hash: str
     address: str
     contributions: int = 0
     refused: int = 0
     needs_resync: int = 0
-    snapshot: str = "[]"  # JSON list of host:port, the snapshot server of each local rank
+    servers: str = "[]"  # JSON list of host:port, the transfer server of each local rank
 
 
 @dataclass
-class StepDecision:
-    outer_step: int
+class RoundDecision:
+    round: int
     attempt: int
     epoch: int
     members: list[dict]  # [{node_id, name, contributes}] in rank order
     decision: str  # open | apply | abort
-    model_hash: str | None = None
+    state_hash: str | None = None
 
 
 class CoordinatorState:
@@ -69,6 +69,9 @@ class CoordinatorState:
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'steps'").fetchone():
+            raise ValueError(f"{path} was written by a coordinator before 0.2 (its tables speak of outer steps); "
+                             "finish that run with the version that started it, or start a new --state-dir")
         self.db.executescript(_SCHEMA)
 
     def transaction(self):
@@ -94,68 +97,68 @@ class CoordinatorState:
         self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 13)})",
                         tuple(node.__dict__.values()))
 
-    # steps
-    def put_step(self, step: StepDecision, allreduce_s: float | None = None) -> None:
+    # rounds
+    def put_round(self, decision: RoundDecision, allreduce_s: float | None = None) -> None:
         # Later writes (the commit's majority hash) keep the decision's time and all-reduce time.
-        self.db.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (outer_step, attempt) DO UPDATE "
+        self.db.execute("INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (round, attempt) DO UPDATE "
                         "SET epoch = excluded.epoch, members = excluded.members, decision = excluded.decision, "
-                        "model_hash = excluded.model_hash, allreduce_s = COALESCE(excluded.allreduce_s, "
-                        "steps.allreduce_s), decided_at = CASE WHEN steps.decision = excluded.decision "
-                        "THEN steps.decided_at ELSE excluded.decided_at END",
-                        (step.outer_step, step.attempt, step.epoch, json.dumps(step.members), step.decision,
-                         step.model_hash, time.time(), allreduce_s))
+                        "state_hash = excluded.state_hash, allreduce_s = COALESCE(excluded.allreduce_s, "
+                        "rounds.allreduce_s), decided_at = CASE WHEN rounds.decision = excluded.decision "
+                        "THEN rounds.decided_at ELSE excluded.decided_at END",
+                        (decision.round, decision.attempt, decision.epoch, json.dumps(decision.members),
+                         decision.decision, decision.state_hash, time.time(), allreduce_s))
 
-    def steps(self, outer_step: int | None = None) -> list[StepDecision]:
-        rows = self.db.execute(_STEP_QUERY + (" WHERE outer_step = ?" if outer_step is not None else "") +
-                               " ORDER BY outer_step, attempt", (() if outer_step is None else (outer_step,)))
-        return [_step(r) for r in rows]
+    def rounds(self, number: int | None = None) -> list[RoundDecision]:
+        rows = self.db.execute(_ROUND_QUERY + (" WHERE round = ?" if number is not None else "") +
+                               " ORDER BY round, attempt", (() if number is None else (number,)))
+        return [_decision(r) for r in rows]
 
-    def open_steps(self) -> list[StepDecision]:
-        return [_step(r) for r in self.db.execute(_STEP_QUERY + " WHERE decision = 'open'")]
+    def open_rounds(self) -> list[RoundDecision]:
+        return [_decision(r) for r in self.db.execute(_ROUND_QUERY + " WHERE decision = 'open'")]
 
-    def last_step(self) -> StepDecision | None:
-        row = self.db.execute(_STEP_QUERY + " ORDER BY outer_step DESC, attempt DESC LIMIT 1").fetchone()
-        return _step(row) if row else None
+    def last_round(self) -> RoundDecision | None:
+        row = self.db.execute(_ROUND_QUERY + " ORDER BY round DESC, attempt DESC LIMIT 1").fetchone()
+        return _decision(row) if row else None
 
     def max_epoch(self) -> int:
-        return self.db.execute("SELECT COALESCE(MAX(epoch), 0) FROM steps").fetchone()[0]
+        return self.db.execute("SELECT COALESCE(MAX(epoch), 0) FROM rounds").fetchone()[0]
 
     def committed_hashes(self, limit: int) -> dict[int, str]:
-        """The majority model hash of the last `limit` applied outer steps."""
-        rows = self.db.execute("SELECT outer_step, model_hash FROM steps WHERE decision = 'apply' AND model_hash "
-                               "IS NOT NULL ORDER BY outer_step DESC LIMIT ?", (limit,)).fetchall()
-        return {step: h for step, h in rows}
+        """The majority state hash of the last `limit` applied rounds."""
+        rows = self.db.execute("SELECT round, state_hash FROM rounds WHERE decision = 'apply' AND state_hash "
+                               "IS NOT NULL ORDER BY round DESC LIMIT ?", (limit,)).fetchall()
+        return {number: h for number, h in rows}
 
     def epoch_decision(self, epoch: int) -> str | None:
-        row = self.db.execute("SELECT decision FROM steps WHERE epoch = ? ORDER BY outer_step DESC, attempt DESC "
+        row = self.db.execute("SELECT decision FROM rounds WHERE epoch = ? ORDER BY round DESC, attempt DESC "
                               "LIMIT 1", (epoch,)).fetchone()
         return row[0] if row else None
 
-    def committed_step(self) -> int:
-        row = self.db.execute("SELECT MAX(outer_step) FROM steps WHERE decision = 'apply'").fetchone()
+    def committed_round(self) -> int:
+        row = self.db.execute("SELECT MAX(round) FROM rounds WHERE decision = 'apply'").fetchone()
         return row[0] or 0
 
-    def step_summaries(self, limit: int = 50) -> list[dict]:
+    def round_summaries(self, limit: int = 50) -> list[dict]:
         """The last `limit` attempts, oldest first."""
-        rows = self.db.execute("SELECT outer_step, attempt, epoch, members, decision, model_hash, decided_at, "
-                               "allreduce_s FROM steps ORDER BY outer_step DESC, attempt DESC LIMIT ?", (limit,))
-        return [{"outer_step": r[0], "attempt": r[1], "epoch": r[2], "members": [m["name"] for m in json.loads(r[3])],
-                 "decision": r[4], "model_hash": r[5], "decided_at": r[6], "allreduce_s": r[7]} for r in rows][::-1]
+        rows = self.db.execute("SELECT round, attempt, epoch, members, decision, state_hash, decided_at, "
+                               "allreduce_s FROM rounds ORDER BY round DESC, attempt DESC LIMIT ?", (limit,))
+        return [{"round": r[0], "attempt": r[1], "epoch": r[2], "members": [m["name"] for m in json.loads(r[3])],
+                 "decision": r[4], "state_hash": r[5], "decided_at": r[6], "allreduce_s": r[7]} for r in rows][::-1]
 
-    # commits (model hashes per node)
-    def put_commit(self, outer_step: int, node_id: str, model_hash: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?, ?)", (outer_step, node_id, model_hash))
+    # commits (state hashes per node)
+    def put_commit(self, number: int, node_id: str, state_hash: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?, ?)", (number, node_id, state_hash))
 
-    def roll_back(self, outer_step: int) -> None:
-        """Steps applied after `outer_step` become `rolled_back` and their commits are forgotten: the run
-        resumes from nodes' checkpoints of that step. The first step after it waits for start_nodes."""
-        self.db.execute("UPDATE steps SET decision = 'rolled_back' WHERE outer_step > ? AND decision = 'apply'",
-                        (outer_step,))
-        self.db.execute("DELETE FROM commits WHERE outer_step > ?", (outer_step,))
-        self.set_meta("resumed_at", outer_step)
+    def roll_back(self, number: int) -> None:
+        """Rounds applied after round `number` become `rolled_back` and their commits are forgotten: the
+        run resumes from nodes' saved state of that round. The first round after it waits for start_nodes."""
+        self.db.execute("UPDATE rounds SET decision = 'rolled_back' WHERE round > ? AND decision = 'apply'",
+                        (number,))
+        self.db.execute("DELETE FROM commits WHERE round > ?", (number,))
+        self.set_meta("resumed_at", number)
 
-    def commits(self, outer_step: int) -> dict[str, str]:
-        return dict(self.db.execute("SELECT node_id, model_hash FROM commits WHERE outer_step = ?", (outer_step,)))
+    def commits(self, number: int) -> dict[str, str]:
+        return dict(self.db.execute("SELECT node_id, state_hash FROM commits WHERE round = ?", (number,)))
 
     # rendezvous store
     def store_get(self, key: str) -> bytes | None:
@@ -192,15 +195,15 @@ class CoordinatorState:
         return [(i, n, json.loads(r)) for i, n, r in rows]
 
 
-_STEP_QUERY = "SELECT outer_step, attempt, epoch, members, decision, model_hash FROM steps"
+_ROUND_QUERY = "SELECT round, attempt, epoch, members, decision, state_hash FROM rounds"
 
 
-def _step(row) -> StepDecision:
-    return StepDecision(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
+def _decision(row) -> RoundDecision:
+    return RoundDecision(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
 
 
-_NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, outer_step, model_hash, address, "
-                 "contributions, refused, needs_resync, snapshot")
+_NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, round, state_hash, address, "
+                 "contributions, refused, needs_resync, servers")
 
 
 class _Transaction:

@@ -54,12 +54,12 @@ class Observer:
             db.close()
 
     def committed(self) -> int:
-        return self._query("SELECT COALESCE(MAX(outer_step), 0) FROM steps WHERE decision = 'apply'")[0][0]
+        return self._query("SELECT COALESCE(MAX(round), 0) FROM rounds WHERE decision = 'apply'")[0][0]
 
     def in_sync(self) -> int:
         """Live nodes that hold the last committed step."""
-        return self._query("SELECT COUNT(*) FROM nodes WHERE state = 'active' AND outer_step = "
-                           "(SELECT COALESCE(MAX(outer_step), 0) FROM steps WHERE decision = 'apply')")[0][0]
+        return self._query("SELECT COUNT(*) FROM nodes WHERE state = 'active' AND round = "
+                           "(SELECT COALESCE(MAX(round), 0) FROM rounds WHERE decision = 'apply')")[0][0]
 
     def diverged_events(self) -> int:
         return self._query("SELECT COUNT(*) FROM events WHERE text LIKE '%diverged%'")[0][0]

@@ -37,7 +37,7 @@ def node(address: str, token: str, requests: int) -> None:
     from elastic_mesh.control.client import CoordinatorClient
 
     client = CoordinatorClient(address, request_timeout_s=30, retry_s=10)
-    client.join(token, name="probe", fingerprint="bench", procs_per_node=1, model_hash="h0", address="")
+    client.join(token, name="probe", fingerprint="bench", procs_per_node=1, state_hash="h0", address="")
     headers = {"Content-Type": "application/json", "X-Prime-Node": client.credentials.node_id,
                "X-Prime-Session": client.credentials.session}
     body = json.dumps({"telemetry": []}).encode()

@@ -32,7 +32,7 @@ class HeldShard:
     finished: bool = False  # read to its end in this round (the next pass is someone's, after the commit)
 
     def report(self, worker: int) -> dict:
-        return {"worker": worker, "shard": self.shard, "pass": self.pass_, "start": _cursor(self.start),
+        return {"worker": worker, "item": self.shard, "pass": self.pass_, "start": _cursor(self.start),
                 "end": _cursor(self.end), "finished": self.finished}
 
 
@@ -51,7 +51,7 @@ def cursor_position(cursor: list[int]) -> tuple[int, int]:
 
 class LeasedSequenceStream:
     """Yields windows of seq_len + 1 tokens from leased shards; `lease()` asks the coordinator for one
-    ({"shard", "pass", "cursor"}, or None when the coordinator dropped this node) given the shards the
+    ({"item", "pass", "cursor"}: a data shard, or None when the coordinator dropped this node) given the shards the
     worker holds already."""
 
     def __init__(self, shards: list[Shard], tokenizer: Tokenizer, seq_len: int, text_field: str,
@@ -84,7 +84,7 @@ class LeasedSequenceStream:
                         self.worker)
             known = self.held[-1].shard if self.held else 0
             return HeldShard(known, -1, (0, 0), (0, 0))
-        shard = int(answer["shard"])
+        shard = int(answer["item"])
         if not 0 <= shard < len(self.shards):
             raise ValueError(f"the coordinator leased data shard {shard} but this node has {len(self.shards)}; "
                              "every node must read the same files with the same data.parts_per_file")

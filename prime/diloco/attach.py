@@ -10,6 +10,7 @@ import torch.distributed as dist
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from prime.config import JobConfig
 from prime.data.shards import data_fingerprint, make_shards
+from prime.diloco.faults import OuterStepFaults
 from prime.diloco.hook import DilocoHook
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 from prime.pretrain.trainer import Trainer
@@ -51,7 +52,8 @@ def shared_settings(config: JobConfig) -> dict:
             "mesh.streams_per_peer": m.streams_per_peer}
 
 
-def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None) -> ElasticDeviceMesh:
+def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None,
+                  faults: OuterStepFaults | None = None) -> ElasticDeviceMesh:
     H = config.diloco.inner_steps
     if config.checkpoint.every % H:
         raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
@@ -63,13 +65,17 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum,
                            config.diloco.fragment_count)
     restored_step = _restore_outer(trainer, outer, config.diloco.sync_period)
+    # The run leases data shards to local ranks as work of kind "data" (elastic_mesh knows no shards).
+    data = {"items": len(make_shards(trainer.train_files, config.data.parts_per_file)),
+            "fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
-             "model_hash": node_hash(outer.digest()), "address": "", "restored_step": restored_step,
-             "data_shards": len(make_shards(trainer.train_files, config.data.parts_per_file)),
-             "data_fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file),
-             "protocol": shared_settings(config)}
-    mesh = ElasticDeviceMesh(config.mesh, token, facts)
-    hook = DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads", config.chaos)
+             "state_hash": node_hash(outer.digest()), "address": "", "restored_round": restored_step,
+             "work": {"data": data}, "protocol": shared_settings(config)}
+    # Served to peers that are behind: whole snapshots and inner moments of the newest two outer steps,
+    # and the averaged updates of the last mesh.snapshot_keep, which a node a few steps behind replays.
+    serves = {"snapshot": 2, "update": config.mesh.snapshot_keep, "inner": 2}
+    mesh = ElasticDeviceMesh(config.mesh, token, facts, serves)
+    hook = DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads", faults)
     hook.outer_step = restored_step
     trainer.hooks.append(hook)
     trainer.checkpoint_tensors.append(hook.checkpoint_tensors)
@@ -77,7 +83,7 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     worker = dist.get_rank()
-    trainer.lease_data(lambda held: mesh.lease_data(worker, held), worker)
+    trainer.lease_data(lambda held: mesh.lease("data", worker, held), worker)
     trainer.prefix = f"[{mesh.name}]"
     trainer.progress.prefix = trainer.prefix
     trainer.progress.sync_every = config.diloco.sync_period
@@ -88,5 +94,5 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
                     config.diloco.inner_steps)
     if dist.get_rank() == 0:
         log.info("[%s] joined run %s at outer step %d (%d local rank(s), data shards leased from the coordinator)",
-                 mesh.name, mesh.joined["run_id"], mesh.joined["committed_step"], dist.get_world_size())
+                 mesh.name, mesh.joined["run_id"], mesh.joined["committed_round"], dist.get_world_size())
     return mesh

@@ -2,19 +2,24 @@
 away, or diverged) reaches the run's newest committed step from its peers' snapshot servers, with
 nobody waiting for it: it replays the averaged updates of the steps it missed, or fetches a whole
 snapshot when it holds nothing usable, and checks the result against the hashes the coordinator
-committed. A part of DilocoHook (prime/diloco/hook.py), kept apart because it is a job of its own."""
+committed. DilocoHook (prime/diloco/hook.py) holds one and hands it what it needs."""
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+
+import torch
 
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.wire.collectives import decode_wire
 from elastic_mesh.mesh import node_hash
-from elastic_mesh.transfer.fetcher import SnapshotError
+from elastic_mesh.mesh import ElasticDeviceMesh
+from elastic_mesh.transfer.chunks import TransferError
 from prime.core.optim import bound_first_moment, load_adam_state
-from prime.diloco.outer_optimizer import local_shards
+from prime.diloco.config import DilocoConfig
+from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +28,30 @@ class StateMismatch(RuntimeError):
     """The state a node rebuilt from its peers does not hash to what the coordinator committed."""
 
 
-class CatchUp:
-    """Catching up from peers. Mixed into DilocoHook, whose mesh, outer params, config, work_dir,
-    outer_step and publisher it uses."""
+def whole_snapshot_step(committed: int, fragments: int) -> int:
+    """The newest outer step whose whole snapshot peers serve. Streaming serves one per H inner steps
+    (every F-th outer step; each of the first F), since building and hashing the whole state every
+    H/F steps costs training; a joiner replays the few fragment updates after it."""
+    return committed if committed < fragments else committed - committed % fragments
 
-    def _catch_up(self, trainer, full: bool) -> dict:
+
+class CatchUp:
+    """Catching up from peers, into the outer optimizer it is given. `outer_step` is the step whose
+    state the outer optimizer holds: the caller sets it before run() and reads it after."""
+
+    def __init__(self, model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig, outer: OuterOptimizer,
+                 work_dir: Path) -> None:
+        self.model, self.mesh, self.config, self.outer, self.work_dir = model, mesh, config, outer, work_dir
+        self.outer_step = 0
+        self.snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
+        self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
+
+    def run(self, trainer, full: bool) -> dict:
         """Brings this node to the newest committed step from its peers, with nobody waiting for it: replays
         the updates it missed (or fetches a whole snapshot when it holds nothing usable), then waits for
-        the next commit, replays that too, and starts the following round with everyone."""
+        the next commit, replays that too, and starts the following round with everyone. The caller
+        has stopped publishing (nothing else touches the outer optimizer meanwhile)."""
         started = time.perf_counter()
-        self._wait_for_publisher()
         fetched, replayed = self._bring_to_newest(full)
         # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
         # moments of the same step, while the round in flight still runs.
@@ -41,18 +60,17 @@ class CatchUp:
             # Back for the step after the one in flight: its barrier waits for this node's replay of
             # the one in flight, whose successor the overlapped modes launch moments after it commits.
             for _ in range(3):
-                if self.mesh.will_join(self.outer_step + 2):
+                if self.mesh.rounds.will_join(self.outer_step + 2):
                     break
                 more_fetched, more_replayed = self._bring_to_newest(full=False)  # the run moved on meanwhile
                 fetched, replayed = fetched + more_fetched, replayed + more_replayed
-            self.mesh.wait_commit(self.outer_step)
+            self.mesh.rounds.wait_commit(self.outer_step)
             more_fetched, more_replayed = self._bring_to_newest(full=False)
             fetched, replayed = fetched + more_fetched, replayed + more_replayed
         self.outer.copy_to(local_shards(self.model))
         trainer.jump_to_step(self.outer_step * self.config.sync_period)
-        self._tokens_at_sync = trainer.tokens_seen
         model_hash = node_hash(self.outer.digest())
-        self.mesh.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
+        self.mesh.rounds.commit(self.outer_step, model_hash)  # the coordinator now waits for this node again
         elapsed = time.perf_counter() - started
         download_s, self._download_s = self._download_s, 0.0
         trainer.progress.note(f"caught up to outer step {self.outer_step} in {elapsed:.1f} s: "
@@ -68,11 +86,11 @@ class CatchUp:
         tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
         work_dir = self.work_dir / f"rank{self.mesh.local_rank}"
         for attempt in range(5):
-            sources = self.mesh.sources()
+            sources = self.mesh.rounds.sources()
             def fetch_and_load() -> int:
                 # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
                 # from a different one (mixed) and the download uses every source's uplink.
-                _, tensors, report = self.mesh.fetch(sources, "inner", self._snapshot_fetched, work_dir, mixed=True)
+                _, tensors, report = self.mesh.fetch(sources, "inner", self.snapshot_fetched, work_dir, mixed=True)
                 betas = trainer.optimizer.param_groups[0].get("betas")  # none: SGD, which keeps no moments
                 bounded = bound_first_moment(tensors, betas) if betas else 0
                 if bounded:
@@ -82,7 +100,7 @@ class CatchUp:
                 return report.total_bytes
             try:
                 return self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
-            except SnapshotError as e:
+            except TransferError as e:
                 error = e
                 time.sleep(0.5 * (attempt + 1))
         log.warning("%s: no peer's AdamW moments for outer step %d (%s); going on with fresh ones", self.mesh.name,
@@ -96,18 +114,18 @@ class CatchUp:
         give_up = time.monotonic() + self.config.catch_up_timeout_s
         while True:
             attempt += 1
-            sources = self.mesh.sources()
+            sources = self.mesh.rounds.sources()
             try:
-                if full or sources["committed_step"] - self.outer_step > self.mesh.config.snapshot_keep:
+                if full or sources["committed_round"] - self.outer_step > self.mesh.config.snapshot_keep:
                     fetched += self._load_snapshot(sources)
                     full = False
                 return fetched, self._replay(sources)
-            except (StateMismatch, SnapshotError) as e:
+            except (StateMismatch, TransferError) as e:
                 # A wrong state, or updates that stay unavailable (the newest one is usually only moments
                 # from being published; peers resumed from checkpoints keep none): a whole snapshot next.
                 full = full or isinstance(e, StateMismatch) or attempt >= 3
                 if time.monotonic() > give_up:
-                    raise SnapshotError(f"{self.mesh.name} could not catch up with the run for "
+                    raise TransferError(f"{self.mesh.name} could not catch up with the run for "
                                         f"{self.config.catch_up_timeout_s:.0f} s: {e}") from None
                 log.warning("%s: catching up failed (attempt %d): %s", self.mesh.name, attempt, str(e)[:300])
                 # Soon at first: the newest update is usually published a moment after the step commits.
@@ -118,25 +136,18 @@ class CatchUp:
         result, error = None, None
         try:
             result = fetch()
-        except (SnapshotError, OSError, ValueError, KeyError) as e:  # one rank must never fail alone
-            error = e if isinstance(e, SnapshotError) else SnapshotError(f"{type(e).__name__}: {e}")
+        except (TransferError, OSError, ValueError, KeyError) as e:  # one rank must never fail alone
+            error = e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}")
         if not self.mesh.agree(error is None):
-            raise error or SnapshotError("another local rank could not fetch its shard")
+            raise error or TransferError("another local rank could not fetch its shard")
         return result
 
-    def _snapshot_step(self, committed: int) -> int:
-        """The newest outer step whose whole snapshot peers serve. Streaming serves one per H inner steps
-        (every F-th outer step; each of the first F), since building and hashing the whole state every
-        H/F steps costs training; a joiner replays the few fragment updates after it."""
-        fragments = self.config.fragment_count
-        return committed if committed < fragments else committed - committed % fragments
-
     def _load_snapshot(self, sources: dict) -> int:
-        step = self._snapshot_step(sources["committed_step"])
+        step = whole_snapshot_step(sources["committed_round"], self.config.fragment_count)
         manifest, tensors, report = self._agreed(
             lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
         self.outer.load_state_tensor(tensors["state"])
-        self.outer_step = self._snapshot_fetched = step
+        self.outer_step = self.snapshot_fetched = step
         self._download_s += report.seconds
         self._check_hash(step, sources)
         log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,
@@ -144,7 +155,7 @@ class CatchUp:
         return report.total_bytes
 
     def _replay(self, sources: dict) -> int:
-        target = sources["committed_step"]
+        target = sources["committed_round"]
         start = self.outer_step
         for step in range(start + 1, target + 1):
             manifest, tensors, _ = self._agreed(
@@ -163,7 +174,7 @@ class CatchUp:
             if expected is not None:
                 break
             time.sleep(0.25)
-            expected = self.mesh.sources()["hashes"].get(step)
+            expected = self.mesh.rounds.sources()["hashes"].get(step)
         got = node_hash(self.outer.digest())
         if got != expected:
             raise StateMismatch(f"outer step {step} rebuilt from peers hashes to {got}, the run committed {expected}")

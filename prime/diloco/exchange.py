@@ -18,7 +18,8 @@ from elastic_mesh.control.client import CoordinatorError
 from elastic_mesh.wire.codecs import Codec
 from elastic_mesh.wire.collectives import AllReduceResult, CollectiveError, all_reduce_mean
 from elastic_mesh.wire.topology import describe_ring
-from elastic_mesh.mesh import ElasticDeviceMesh, StepPlan
+from elastic_mesh.mesh import ElasticDeviceMesh
+from elastic_mesh.rounds.plan import RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class Exchange:
 
     step: int
     status: str  # applied | missed | resync | dropped | skipped (an earlier step in flight was not applied)
-    plan: StepPlan | None = None
+    plan: RoundPlan | None = None
     result: AllReduceResult | None = None
     contributed: bool = False
     seconds: float = 0.0  # from the first plan to the decision, retries included
@@ -172,7 +173,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
         try:
             if mesh.dropped:
                 raise CoordinatorError("declared dead while it could not reach the coordinator", 410)
-            plan = mesh.plan(step, contributes)
+            plan = mesh.rounds.plan(step, contributes)
         except CoordinatorError as e:
             if e.status not in (401, 410):
                 raise
@@ -214,7 +215,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
         refused = result.refused if result else {}
         seconds = result.seconds if result else 0.0
         try:
-            decision = mesh.vote(plan, ok, refused, blame, seconds, data)
+            decision = mesh.rounds.vote(plan, ok, refused, blame, seconds, {"data": data})
         except CoordinatorError as e:
             if e.status not in (401, 410):
                 raise

@@ -12,8 +12,8 @@ member's all-reduce succeeded ("apply"); on "abort" the same pseudo-gradients go
 survivors. A node never applies its own pseudo-gradient alone.
 
 A node that is behind (it joined a running job, missed a step's deadline, was partitioned away, or
-diverged) catches up from its peers' snapshot servers while the others go on (prime/diloco/catch_up.py) and
-enters the next round with everyone.
+diverged) catches up from its peers' transfer servers while the others go on (prime/diloco/catch_up.py) and
+enters the next round with everyone. Faults enter only through the OuterStepFaults seam (faults.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.transfer.fetcher import DeferredSnapshot
-from prime.diloco.catch_up import CatchUp
-from prime.testing.faults import ChaosConfig, corrupted, kill_node, take_command, take_command_text
+from elastic_mesh.transfer.chunks import Deferred
+from prime.diloco.catch_up import CatchUp, whole_snapshot_step
 from prime.diloco.config import DilocoConfig
+from prime.diloco.faults import NoFaults, OuterStepFaults
 from prime.core.optim import adam_state_tensors
 from prime.diloco.exchange import Exchange, InFlight, Pace, StepClock, exchange, plan_pace
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
@@ -39,30 +39,29 @@ from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 log = logging.getLogger(__name__)
 
 
-class DilocoHook(CatchUp):
-    """Runs the outer step every H inner steps; catches up from peers when the node is behind."""
+class DilocoHook:
+    """Runs the outer step every H inner steps; catches up from peers when the node is behind.
+    `faults` is where a fault hook attaches (tests and the chaos harness); NoFaults otherwise."""
 
     def __init__(self, model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig,
-                 outer: OuterOptimizer, work_dir: Path, chaos: ChaosConfig | None = None) -> None:
+                 outer: OuterOptimizer, work_dir: Path, faults: OuterStepFaults | None = None) -> None:
         self.model, self.mesh, self.config, self.outer = model, mesh, config, outer
         self.work_dir = Path(work_dir)  # verified chunks of an interrupted download survive a restart here
-        self.chaos = chaos or ChaosConfig()
+        self.faults = faults or NoFaults()
+        self.catch_up = CatchUp(model, mesh, config, outer, self.work_dir)
         self.codec = codec_for(config.compression)
         self.outer_step = 0  # the last committed outer step whose state this node holds
         self.tokens_contributed = 0  # tokens of this node's rounds that entered a committed average
         self._tokens_at_sync = 0
         self._publisher: threading.Thread | None = None
-        self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
-        self._snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
         self._inflight: deque[InFlight] = deque()  # overlapped modes: outer steps being decided, oldest first
         # delayed: the background thread's coordinator calls and agreements use their own local group
         self._background_mesh = mesh.background_view() if config.mode != "blocking" else None
-        self._corrupt_until = 0.0  # chaos: snapshots published before this time.monotonic() are served corrupted
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
         self._overheads: deque[tuple[float, float]] = deque(maxlen=5)  # recent outer steps' (plan, vote + commit)
 
     def on_start(self, trainer) -> None:
-        committed, restored = self.mesh.joined["committed_step"], self.outer_step
+        committed, restored = self.mesh.joined["committed_round"], self.outer_step
         if restored and self.config.mode != "blocking":
             self.outer.copy_to(local_shards(self.model))  # the checkpoint's local progress was never averaged
         if restored and restored == committed:  # resumed from a checkpoint of the run's newest step
@@ -71,6 +70,15 @@ class DilocoHook(CatchUp):
                                   f"{node_hash(self.outer.digest())}")
         elif committed > 0:  # a running job: this node's weights are stale (initial, or an older checkpoint)
             trainer.metrics.write(self._catch_up(trainer, full=not restored))
+
+    def _catch_up(self, trainer, full: bool) -> dict:
+        """Reaches the run's newest committed step from peers (catch_up.py), nobody waiting for this node."""
+        self._wait_for_publisher()
+        self.catch_up.outer_step = self.outer_step
+        record = self.catch_up.run(trainer, full)
+        self.outer_step = self.catch_up.outer_step
+        self._tokens_at_sync = trainer.tokens_seen
+        return record
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer."""
@@ -96,7 +104,7 @@ class DilocoHook(CatchUp):
             return
         self._wait_for_publisher()
         deadline = time.monotonic() + self.config.linger_s
-        while behind := self.mesh.sources()["behind"]:
+        while behind := self.mesh.rounds.sources()["behind"]:
             if time.monotonic() >= deadline:
                 log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind),
                             self.config.linger_s)
@@ -105,19 +113,14 @@ class DilocoHook(CatchUp):
 
     def after_step(self, trainer, step: int) -> dict | None:
         self._clock.tick()
-        if self.chaos.kill_at_inner_step and step == self.chaos.kill_at_inner_step:
-            kill_node(f"inner step {step}")
-        if self.chaos.step_delay_s:
-            time.sleep(self.chaos.step_delay_s)
-        self._take_serving_faults()
         if self.config.mode != "blocking":
             return self._overlapped_step(trainer, step)
         return None if step % self.config.inner_steps else self._round(trainer)
 
     def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                   contributes: bool = True, pace: Pace | None = None) -> Exchange:
-        return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor, self._fault(step),
-                        contributes, pace)
+        return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor,
+                        lambda phase: self.faults.allreduce_phase(step, phase), contributes, pace)
 
     def _out_of_step(self, trainer, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
@@ -133,7 +136,7 @@ class DilocoHook(CatchUp):
 
     def _commit(self, mesh: ElasticDeviceMesh, step: int) -> str:
         model_hash = mesh.node_hash(self.outer.digest())
-        commit = mesh.commit(step, model_hash)
+        commit = mesh.rounds.commit(step, model_hash)
         if commit.get("status") == "diverged":
             log.error("%s: model hash %s differs from the run's %s at outer step %d; resyncing", mesh.name,
                       model_hash, commit.get("majority_hash"), step)
@@ -146,12 +149,6 @@ class DilocoHook(CatchUp):
         mine = trainer.leased.mark() if mark else trainer.leased.report()
         return [r for worker in self.mesh.gather(mine) for r in worker]
 
-    def _poison(self, pseudo: torch.Tensor, step: int) -> None:
-        if self.chaos.nan_at_outer_step == step or take_command(self.chaos, "nan"):
-            pseudo[: max(1, pseudo.numel() // 100)] = float("nan")
-        if self.chaos.outlier_at_outer_step == step:
-            pseudo.mul_(1e4)
-
     def _round(self, trainer) -> dict:
         """blocking: the inner steps wait while the outer step is decided."""
         started = time.perf_counter()
@@ -160,7 +157,7 @@ class DilocoHook(CatchUp):
         step = self.outer_step + 1
         pseudo = self.outer.pseudo_gradient(shards)
         data = self._round_data(trainer)
-        self._poison(pseudo, step)
+        self.faults.pseudo_gradient(pseudo, step)
         exchange = self._exchange(self.mesh, step, pseudo, data)
         if exchange.status != "applied":
             return self._out_of_step(trainer, exchange)
@@ -274,7 +271,7 @@ class DilocoHook(CatchUp):
         fragment = None if last and self.config.fragment_count > 1 else (outer_step - 1) % self.config.fragment_count
         shards = local_shards(self.model)
         pseudo = self.outer.pseudo_gradient(shards, fragment)
-        self._poison(pseudo, outer_step)
+        self.faults.pseudo_gradient(pseudo, outer_step)
         finite = self.mesh.agree(bool(torch.isfinite(pseudo).all()))
         if contribute and not finite and self._inflight:
             # The reading is about to be rewound: the steps in flight commit theirs first (other fragments,
@@ -294,7 +291,7 @@ class DilocoHook(CatchUp):
         elif self.config.eager:
             self.outer.eager_step(shards, pseudo, fragment)
         tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
-        whole = self._snapshot_step(outer_step) == outer_step  # served with a whole snapshot: copy the moments
+        whole = whole_snapshot_step(outer_step, self.config.fragment_count) == outer_step  # served with a whole snapshot: copy the moments
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
             if self.config.serve_snapshots and whole else None
         inflight = InFlight(outer_step, tokens, rewound, fragment, self.outer.snapshot(shards, fragment),
@@ -343,7 +340,7 @@ class DilocoHook(CatchUp):
             self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)
             if self.config.serve_snapshots:
-                whole = self._snapshot_step(step) == step
+                whole = whole_snapshot_step(step, self.config.fragment_count) == step
                 if whole:
                     self._serve(step, inner, "inner")
                 self._serve_state_and_update(step, self.outer.state_tensor() if whole else None, exchange.result,
@@ -365,24 +362,11 @@ class DilocoHook(CatchUp):
         return record
 
     # ---- serving peers ---------------------------------------------------------------------------------
-    def _take_serving_faults(self) -> None:
-        if not self.chaos.control_dir:
-            return
-        if (text := take_command_text(self.chaos, "corrupt-serving")) is not None:
-            self._corrupt_until = time.monotonic() + float(text or 30)
-        if (text := take_command_text(self.chaos, "slow-serving")) is not None:
-            self.mesh.snapshots.serve_delay_s = float(text or 0.5)
-            log.warning("chaos: serving every snapshot chunk %.2f s late from now on", self.mesh.snapshots.serve_delay_s)
-
     def _serve(self, step: int, tensors: dict[str, torch.Tensor], kind: str, meta: dict | None = None) -> None:
         """Published deferred: laid out and hashed when a peer first asks (every tensor here is a copy
         made for serving, or the all-reduce's own bytes, which nothing writes again)."""
-        transform = None
-        if time.monotonic() < self._corrupt_until:
-            log.warning("chaos: serving the %s of outer step %d with a bit flipped in every chunk", kind, step)
-            transform = corrupted
-        self.mesh.snapshots.publish(DeferredSnapshot(step, tensors, meta, self.mesh.config.snapshot_chunk_bytes,
-                                                     transform), kind)
+        self.mesh.server.publish(Deferred(step, tensors, meta, self.mesh.config.snapshot_chunk_bytes,
+                                          self.faults.serving(kind, step)), kind)
 
     def _publish(self, step: int, result, optimizer) -> None:
         """Snapshot of step k and the update that made it, published in the background (the outer state does
@@ -434,10 +418,3 @@ class DilocoHook(CatchUp):
         else:
             trainer.leased.forget()
             trainer.restart_data()
-
-    def _fault(self, step: int):
-        def on_phase(phase: str) -> None:
-            if phase == "scatter" and (self.chaos.kill_in_allreduce_at == step
-                                       or take_command(self.chaos, "kill-in-allreduce")):
-                kill_node(f"between the phases of outer step {step}'s all-reduce")
-        return on_phase

@@ -55,17 +55,22 @@ class AuditReport:
 
 def audit_ledger(state: Path, shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
     """Audits the committed ranges in a coordinator's state file (read-only: the run may still be going)."""
-    from elastic_mesh.coordinator.leases import DataLedger
+    from elastic_mesh.coordinator.leases import WorkLedger
 
     db = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
     try:
-        return audit(DataLedger(db).log(), shards, tokenizer, text_field)
+        return audit(in_prime_words(WorkLedger(db, "data").log()), shards, tokenizer, text_field)
     finally:
         db.close()
 
 
+def in_prime_words(log: list[dict]) -> list[dict]:
+    """The coordinator leases items of kind "data" in rounds: for prime, shards and outer steps."""
+    return [{**e, "shard": e["item"], "outer_step": e["round"]} for e in log]
+
+
 def audit(log: list[dict], shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
-    """`log`: the ledger's committed ranges (DataLedger.log()); `shards`: the run's shards, in order."""
+    """`log`: the ledger's committed ranges (WorkLedger.log() in prime's words: shard, outer_step); `shards`: the run's shards, in order."""
     report = AuditReport(ranges=len(log))
     by_pass: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for entry in log:

@@ -57,8 +57,9 @@ def load_coordinator_steps(run_dir: Path) -> list[dict]:
         return []
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT outer_step, attempt, epoch, members, decision, decided_at, allreduce_s FROM steps "
-                          "ORDER BY outer_step, attempt").fetchall()
+        # The coordinator speaks of rounds: for a DiLoCo run, round k is outer step k.
+        rows = db.execute("SELECT round, attempt, epoch, members, decision, decided_at, allreduce_s FROM rounds "
+                          "ORDER BY round, attempt").fetchall()
     finally:
         db.close()
     return [{"outer_step": r[0], "attempt": r[1], "epoch": r[2], "members": [m["name"] for m in json.loads(r[3])],

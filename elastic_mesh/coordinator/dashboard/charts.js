@@ -112,11 +112,11 @@ const PrimeCharts = (() => {
     canvas.dataset.points = String(items.length);
   }
 
-  // One lane per node; a filled cell at each outer step the node was averaged in, a red one where an
+  // One lane per node; a filled cell at each round the node took part in, a red one where an
   // attempt with it aborted. rows: [{name, applied: [x], aborted: [x]}]
   function lanes(canvas, rows, opts = {}) {
     const xs = rows.flatMap(r => r.applied.concat(r.aborted));
-    if (!xs.length) return empty(canvas, opts.emptyText || "waiting for the first outer step…");
+    if (!xs.length) return empty(canvas, opts.emptyText || "waiting for the first round…");
     const ctx = canvas.getContext("2d");
     const w = canvas.width, h = canvas.height;
     ctx.clearRect(0, 0, w, h);

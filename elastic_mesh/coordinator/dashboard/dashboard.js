@@ -1,5 +1,5 @@
 // The run's live dashboard. Polls /status (nodes, epoch) and /v1/history (telemetry since the last
-// poll, every outer-step attempt) and redraws; no reload, no network beyond the coordinator.
+// poll, every round's attempts) and redraws; no reload, no network beyond the coordinator.
 "use strict";
 
 const POLL_MS = 2000;
@@ -8,7 +8,7 @@ const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const headers = token ? { Authorization: "Bearer " + token } : {};
 const perNode = new Map();  // name -> {loss: [[tokens, loss]], evals: [[tokens, eval]]}
 let lastId = 0;
-let steps = [];
+let rounds = [];
 let events = [];
 
 function nodeSeries(name) {
@@ -36,7 +36,7 @@ function absorb(history) {
     if (r.outer_eval_loss !== undefined && r.tokens !== undefined) s.evals.push([r.tokens, r.outer_eval_loss]);
   }
   lastId = history.last_id;
-  steps = history.steps;
+  rounds = history.rounds;
   events = history.events;
 }
 
@@ -75,7 +75,7 @@ function renderNodes(status) {
   const alive = status.nodes.filter(n => n.state === "active" && n.alive).length;
   document.getElementById("run-id").textContent = status.run_id;
   document.getElementById("summary").innerHTML =
-    `<span>outer step <b>${status.committed_step}</b></span><span>epoch <b>${status.epoch}</b></span>` +
+    `<span>round <b>${status.committed_round}</b></span><span>epoch <b>${status.epoch}</b></span>` +
     `<span><b>${alive}</b> of ${status.nodes.length} nodes alive</span>` +
     `<span>barrier wait <b>${status.deadline_s}</b> s</span>`;
 }
@@ -90,18 +90,18 @@ function renderCharts() {
   });
   PrimeCharts.lines(document.getElementById("loss-chart"), series, { xLabel: "tokens (per node)" });
 
-  const applied = steps.filter(s => s.decision === "apply");
+  const applied = rounds.filter(s => s.decision === "apply");
   PrimeCharts.bars(document.getElementById("allreduce-chart"),
-    steps.filter(s => s.allreduce_s !== null && s.decision !== "open").map(s => ({
-      x: s.outer_step, y: s.allreduce_s, color: s.decision === "apply" ? "#0969da" : "#cf222e" })),
-    { xLabel: "outer step", legend: [["applied", "#0969da"], ["aborted attempt", "#cf222e"]] });
+    rounds.filter(s => s.allreduce_s !== null && s.decision !== "open").map(s => ({
+      x: s.round, y: s.allreduce_s, color: s.decision === "apply" ? "#0969da" : "#cf222e" })),
+    { xLabel: "round", legend: [["applied", "#0969da"], ["aborted attempt", "#cf222e"]] });
 
-  const members = [...new Set(steps.flatMap(s => s.members))];
+  const members = [...new Set(rounds.flatMap(s => s.members))];
   PrimeCharts.lanes(document.getElementById("membership-chart"), members.map(name => ({
     name,
-    applied: applied.filter(s => s.members.includes(name)).map(s => s.outer_step),
-    aborted: steps.filter(s => s.decision === "abort" && s.members.includes(name)).map(s => s.outer_step),
-  })), { xLabel: "outer step" });
+    applied: applied.filter(s => s.members.includes(name)).map(s => s.round),
+    aborted: rounds.filter(s => s.decision === "abort" && s.members.includes(name)).map(s => s.round),
+  })), { xLabel: "round" });
 }
 
 function renderEvents() {

@@ -124,7 +124,7 @@ def test_the_coordinator_client_keeps_one_connection_for_a_nodes_requests(tmp_pa
     try:
         client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", request_timeout_s=10, retry_s=5)
         client.join(make_token(tmp_path / "coord", 60), name="a", fingerprint="fp1", procs_per_node=1,
-                    model_hash="h0", address="")
+                    state_hash="h0", address="")
         for _ in range(4):
             client.post("/v1/heartbeat", {"telemetry": []})
         assert client.get_status()["nodes"][0]["name"] == "a"

@@ -7,12 +7,12 @@ import sqlite3
 import time
 from contextlib import closing
 
-from elastic_mesh.coordinator.leases import DataLedger
+from elastic_mesh.coordinator.leases import WorkLedger
 from elastic_mesh.coordinator.state import CoordinatorState
 from launch.cluster import LocalCluster, wait_for
-from prime.tools.audit import audit_ledger
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer
+from prime.tools.audit import audit_ledger
 
 # Short leases and deadlines so failures resolve in seconds; H=5 on the debug model.
 COORDINATOR = ["--lease-s", "3", "--heartbeat-s", "0.5", "--min-wait-s", "3", "--poll-s", "2"]
@@ -42,7 +42,7 @@ def assert_exactly_once(c: LocalCluster, corpus, parts_per_file: int = 1):
     assert report.ok and report.documents > 0, report.summary()
     state = CoordinatorState(c.state_dir / "coordinator.sqlite")
     gone = {n.node_id for n in state.nodes() if n.state != "active"}
-    held = state.db.execute("SELECT shard, holder FROM data_shards WHERE holder IS NOT NULL").fetchall()
+    held = state.db.execute("SELECT item, holder FROM work_items WHERE kind = 'data' AND holder IS NOT NULL").fetchall()
     assert not [h for h in held if h[1] in gone], f"shards still held by nodes that are gone: {held}"
     return report
 
@@ -59,7 +59,7 @@ def test_three_nodes_train_and_stay_bit_identical(tmp_path, corpus):
         losses = [r["loss"] for r in c.metrics("node0") if "loss" in r]
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
         status = c.status()
-        assert status["committed_step"] == 6 and all(n["contributions"] == 6 for n in status["nodes"])
+        assert status["committed_round"] == 6 and all(n["contributions"] == 6 for n in status["nodes"])
 
 
 def test_two_nodes_of_two_local_ranks(tmp_path, corpus):
@@ -96,8 +96,8 @@ def test_kill_during_the_all_reduce(tmp_path, corpus):
         step2 = c.outer_records("node0")[2]
         assert step2["attempt"] >= 2 and step2["members"] == 2, step2
         assert "will be retried with the pseudo-gradients kept" in c.log("node0")
-        steps = c.status()["steps"]
-        assert [s["decision"] for s in steps if s["outer_step"] == 2][-1] == "apply"
+        rounds = c.status()["rounds"]
+        assert [s["decision"] for s in rounds if s["round"] == 2][-1] == "apply"
         assert_exactly_once(c, corpus)
 
 
@@ -113,12 +113,12 @@ def test_non_finite_pseudo_gradient_is_refused_and_named(tmp_path, corpus):
             assert records[2]["refused"] == ["node1"] and records[2]["members"] == 2
             assert records[3]["members"] == 3  # it contributes again once healthy
         events = " ".join(e["text"] for e in c.status()["events"])
-        assert "refused node1's pseudo-gradient (non-finite values)" in events
+        assert "refused node1's contribution (non-finite values)" in events
         # node1's refused round was read again: its shard has no committed range for outer step 2.
-        log = DataLedger(CoordinatorState(c.state_dir / "coordinator.sqlite").db).log()
+        log = WorkLedger(CoordinatorState(c.state_dir / "coordinator.sqlite").db, "data").log()
         names = {n["name"]: n for n in c.status()["nodes"]}
-        assert len({e["node_id"] for e in log if e["outer_step"] == 2}) == 2
-        assert len({e["node_id"] for e in log if e["outer_step"] == 3}) == 3, names
+        assert len({e["node_id"] for e in log if e["round"] == 2}) == 2
+        assert len({e["node_id"] for e in log if e["round"] == 3}) == 3, names
         assert_exactly_once(c, corpus)
 
 
@@ -133,7 +133,7 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, corpus):
         assert c.wait_nodes(240) == {"node0": 0, "node1": 0}, c.log("node0")[-3000:]
         assert_identical(c, ["node0", "node1"], range(1, 9))
         status = c.status()
-        applied = sorted({s["outer_step"] for s in status["steps"] if s["decision"] == "apply"})
+        applied = sorted({s["round"] for s in status["rounds"] if s["decision"] == "apply"})
         assert applied == list(range(1, 9))
         assert any("coordinator restarted" in e["text"] for e in status["events"])
 
@@ -215,7 +215,7 @@ def _start_in_order(c: LocalCluster, extra: list[str]) -> None:
 
     def node0_holds_a_shard() -> bool:
         with closing(sqlite3.connect(f"file:{state}?mode=ro", uri=True)) as db:  # read-only: the coordinator writes
-            return db.execute("SELECT COUNT(*) FROM data_shards WHERE sticky = 'node0/0' AND holder IS NOT NULL"
+            return db.execute("SELECT COUNT(*) FROM work_items WHERE sticky = 'node0/0' AND holder IS NOT NULL"
                               ).fetchone()[0] > 0
     wait_for(lambda: state.exists() and node0_holds_a_shard(), 180, "node0's data lease")
     c.start_node("node1", extra)
@@ -247,7 +247,7 @@ def test_whole_run_stopped_and_resumed_repeats_the_uninterrupted_run(tmp_path, c
         assert c.wait_nodes(300) == {"node0": 0, "node1": 0}, c.log("node0")[-3000:]
         events = " | ".join(e["text"] for e in c.status()["events"])
     # Killed between outer steps 5 and 6 (each inner step takes ≥ 0.2 s); the checkpoints are of step 4.
-    assert "rolled back from outer step 5 to 4" in events, events
+    assert "rolled back from round 5 to 4" in events, events
     for name in ("node0", "node1"):
         assert "resumed at outer step 4 (the run's newest)" in c.log(name), c.log(name)[-2000:]
         resumed = c.outer_records(name)  # later records (after the resume) replace the rolled-back ones

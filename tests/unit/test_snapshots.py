@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 
-from elastic_mesh.transfer.fetcher import (DeferredSnapshot, Snapshot, SnapshotError, SnapshotFetcher, SnapshotServer,
-                                   build_snapshot)
+from elastic_mesh.transfer.chunks import Chunked, Deferred, TransferError, lay_out
+from elastic_mesh.transfer.fetcher import ChunkFetcher
+from elastic_mesh.transfer.server import ChunkServer
 
 KEY = "k" * 32
 CHUNK = 64 << 10
+KEEP = {"snapshot": 2}
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -24,11 +26,13 @@ def state(seed: int = 0) -> dict[str, torch.Tensor]:
             "counters": torch.tensor([7, 12], dtype=torch.int64), "empty": torch.zeros(0)}
 
 
-def serve(n: int, seed: int = 0, delay: float = 0.0) -> list[SnapshotServer]:
-    snapshot = build_snapshot(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK)
-    servers = [SnapshotServer("127.0.0.1", 0, KEY, serve_delay_s=delay) for _ in range(n)]
+def serve(n: int, seed: int = 0, delay: float = 0.0) -> list[ChunkServer]:
+    snapshot = lay_out(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK)
+    servers = [ChunkServer("127.0.0.1", 0, KEY, keep=KEEP) for _ in range(n)]
     for s in servers:
-        s.publish(snapshot)
+        s.publish(snapshot, "snapshot")
+        if delay:  # an emulated slow uplink, through the server's seam for faults
+            s.before_chunk = lambda kind, version, index: time.sleep(delay)
     return servers
 
 
@@ -44,17 +48,17 @@ def assert_state(tensors) -> None:
 def test_fetches_from_three_sources_at_once(tmp_path):
     servers = serve(3)
     try:
-        manifest, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+        manifest, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path).fetch("snapshot")
     finally:
         for s in servers:
             s.stop()
-    assert manifest["step"] == 5 and manifest["meta"] == {"outer_step": 5}
+    assert manifest["version"] == 5 and manifest["meta"] == {"outer_step": 5}
     assert_state(tensors)
     assert len(report.bytes_from) == 3 and sum(report.bytes_from.values()) == report.total_bytes
     assert min(report.bytes_from.values()) > report.total_bytes / 6  # spread, not one source doing it all
 
 
-class CountingServer(SnapshotServer):
+class CountingServer(ChunkServer):
     """Counts the TCP connections it accepts."""
 
     accepted = 0
@@ -65,12 +69,12 @@ class CountingServer(SnapshotServer):
 
 
 def test_chunks_travel_over_kept_connections(tmp_path):
-    snapshot = build_snapshot(5, state(), chunk_bytes=CHUNK)  # ~2 MB: 31 chunks
-    server = CountingServer("127.0.0.1", 0, KEY)
-    server.publish(snapshot)
+    snapshot = lay_out(5, state(), chunk_bytes=CHUNK)  # ~2 MB: 31 chunks
+    server = CountingServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(snapshot, "snapshot")
     try:
-        fetcher = SnapshotFetcher(addresses([server]), KEY, tmp_path, streams_per_source=2)
-        _, tensors, report = fetcher.fetch()
+        fetcher = ChunkFetcher(addresses([server]), KEY, tmp_path, streams_per_source=2)
+        _, tensors, report = fetcher.fetch("snapshot")
     finally:
         server.stop()
     assert_state(tensors)
@@ -82,7 +86,7 @@ def test_a_kept_connection_the_server_closed_is_reopened_without_blaming_the_sou
     server = serve(1)[0]
     # Idle connections are closed by the server after 0.2 s (30 s in production).
     server.RequestHandlerClass = type("QuickHandler", (server.RequestHandlerClass,), {"timeout": 0.2})
-    fetcher = SnapshotFetcher(addresses([server]), KEY, tmp_path)
+    fetcher = ChunkFetcher(addresses([server]), KEY, tmp_path)
     conns: dict = {}
     try:
         first = fetcher._get(addresses([server])[0], "/v1/snapshot/5/chunk/0", conns)
@@ -99,9 +103,9 @@ def test_a_corrupt_chunk_is_fetched_from_another_source(tmp_path):
     snapshot = bad.get("snapshot", "latest")
     tampered = bytearray(snapshot.blob)
     tampered[CHUNK * 2 + 100] ^= 0xFF  # one byte of chunk 2, on this source only
-    bad.publish(Snapshot(snapshot.step, snapshot.manifest, bytes(tampered)))
+    bad.publish(Chunked(snapshot.version, snapshot.manifest, bytes(tampered)), "snapshot")
     try:
-        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+        _, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path).fetch("snapshot")
     finally:
         for s in servers:
             s.stop()
@@ -111,8 +115,7 @@ def test_a_corrupt_chunk_is_fetched_from_another_source(tmp_path):
 
 SOURCE = """
 import sys, time, torch
-sys.path.insert(0, sys.argv[2])
-from tests.test_snapshots import serve
+from tests.unit.test_snapshots import serve
 server = serve(1, delay=float(sys.argv[1]))[0]
 print(server.port, flush=True)
 time.sleep(600)
@@ -122,7 +125,7 @@ time.sleep(600)
 def source_process(delay: float) -> tuple[subprocess.Popen, str]:
     from tests.conftest import REPO
 
-    proc = subprocess.Popen([sys.executable, "-c", SOURCE, str(delay), str(REPO)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SOURCE, str(delay)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
 
 
@@ -130,10 +133,10 @@ def test_a_source_killed_mid_transfer_is_replaced_by_the_others(tmp_path):
     dying, address = source_process(delay=0.05)
     healthy = serve(1, delay=0.05)
     try:
-        fetcher = SnapshotFetcher([address, *addresses(healthy)], KEY, tmp_path, timeout_s=5)
+        fetcher = ChunkFetcher([address, *addresses(healthy)], KEY, tmp_path, timeout_s=5)
         killer = __import__("threading").Timer(0.3, dying.send_signal, (signal.SIGKILL,))
         killer.start()
-        _, tensors, report = fetcher.fetch()
+        _, tensors, report = fetcher.fetch("snapshot")
     finally:
         dying.kill()
         for s in healthy:
@@ -145,9 +148,8 @@ def test_a_source_killed_mid_transfer_is_replaced_by_the_others(tmp_path):
 
 FETCH = """
 import sys
-sys.path.insert(0, sys.argv[3])
-from elastic_mesh.transfer.fetcher import SnapshotFetcher
-SnapshotFetcher(sys.argv[1].split(","), "%s", sys.argv[2], streams_per_source=1).fetch()
+from elastic_mesh.transfer.fetcher import ChunkFetcher
+ChunkFetcher(sys.argv[1].split(","), "%s", sys.argv[2], streams_per_source=1).fetch("snapshot")
 """ % KEY
 
 
@@ -156,7 +158,7 @@ def test_a_joiner_restarted_mid_download_resumes(tmp_path):
 
     servers = serve(2, delay=0.05)
     try:
-        joiner = subprocess.Popen([sys.executable, "-c", FETCH, ",".join(addresses(servers)), str(tmp_path), str(REPO)])
+        joiner = subprocess.Popen([sys.executable, "-c", FETCH, ",".join(addresses(servers)), str(tmp_path)], cwd=REPO)
         directory = tmp_path / "snapshot_00000005"
         deadline = time.monotonic() + 60
         while len(list(directory.glob("chunk_*"))) < 8:
@@ -165,7 +167,7 @@ def test_a_joiner_restarted_mid_download_resumes(tmp_path):
         joiner.kill()  # mid-download
         joiner.wait()
         on_disk = len(list(directory.glob("chunk_*")))
-        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+        _, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path).fetch("snapshot")
     finally:
         for s in servers:
             s.stop()
@@ -177,18 +179,18 @@ def test_a_joiner_restarted_mid_download_resumes(tmp_path):
 def test_wrong_key_and_no_sources_are_clear_errors(tmp_path):
     servers = serve(1)
     try:
-        with pytest.raises(SnapshotError, match="none of the sources"):
-            SnapshotFetcher(addresses(servers), "wrong", tmp_path).fetch()
+        with pytest.raises(TransferError, match="none of the sources"):
+            ChunkFetcher(addresses(servers), "wrong", tmp_path).fetch("snapshot")
     finally:
         servers[0].stop()
-    with pytest.raises(SnapshotError, match="none of the sources"):
-        SnapshotFetcher(["127.0.0.1:1"], KEY, tmp_path, timeout_s=2).fetch()
+    with pytest.raises(TransferError, match="none of the sources"):
+        ChunkFetcher(["127.0.0.1:1"], KEY, tmp_path, timeout_s=2).fetch("snapshot")
 
 
 def test_a_source_with_different_content_is_outvoted(tmp_path):
     honest, liar = serve(2), serve(1, seed=99)
     try:
-        _, tensors, report = SnapshotFetcher(addresses(honest + liar), KEY, tmp_path).fetch()
+        _, tensors, report = ChunkFetcher(addresses(honest + liar), KEY, tmp_path).fetch("snapshot")
     finally:
         for s in honest + liar:
             s.stop()
@@ -201,12 +203,12 @@ def test_mixed_fetch_takes_each_chunk_from_some_source_checked_against_that_sour
     chunk of one of the sources and all sources serve some; a source whose bytes do not match its own
     manifest is caught chunk by chunk and its chunks are taken from the others."""
     seeds = (1, 2, 3)
-    blobs = [build_snapshot(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK).blob for seed in seeds]
+    blobs = [lay_out(5, state(seed), {"outer_step": 5}, chunk_bytes=CHUNK).blob for seed in seeds]
     servers = [server for seed in seeds for server in serve(1, seed=seed)]
 
     def fetch(work_dir) -> tuple[bytes, object]:
-        _, tensors, report = SnapshotFetcher(addresses(servers), KEY, work_dir).fetch(mixed=True)
-        return build_snapshot(5, tensors, chunk_bytes=CHUNK).blob, report
+        _, tensors, report = ChunkFetcher(addresses(servers), KEY, work_dir).fetch("snapshot", mixed=True)
+        return lay_out(5, tensors, chunk_bytes=CHUNK).blob, report
 
     def owners(blob: bytes, chunk: int) -> set[int]:
         return {k for k, b in enumerate(blobs) if blob[chunk * CHUNK:(chunk + 1) * CHUNK] == b[chunk * CHUNK:(chunk + 1) * CHUNK]}
@@ -215,7 +217,7 @@ def test_mixed_fetch_takes_each_chunk_from_some_source_checked_against_that_sour
         assert len(mixed) == len(blobs[0]) and len(report.bytes_from) == 3
         assert all(owners(mixed, c) for c in range(report.chunks))
         snapshot = servers[0].get("snapshot", "latest")
-        servers[0].publish(Snapshot(snapshot.step, snapshot.manifest, bytes(b ^ 0xFF for b in snapshot.blob)))
+        servers[0].publish(Chunked(snapshot.version, snapshot.manifest, bytes(b ^ 0xFF for b in snapshot.blob)), "snapshot")
         mixed, report = fetch(tmp_path / "b")
     finally:
         for s in servers:
@@ -227,36 +229,36 @@ def test_mixed_fetch_takes_each_chunk_from_some_source_checked_against_that_sour
 def test_a_deferred_snapshot_is_built_once_when_first_fetched_and_serves_the_same_bytes(tmp_path):
     built = []
 
-    def counted(snapshot: Snapshot) -> Snapshot:
-        built.append(snapshot.step)
+    def counted(snapshot: Chunked) -> Chunked:
+        built.append(snapshot.version)
         return snapshot
-    servers = [SnapshotServer("127.0.0.1", 0, KEY) for _ in range(2)]
+    servers = [ChunkServer("127.0.0.1", 0, KEY, keep=KEEP) for _ in range(2)]
     try:
         for s in servers:
-            s.publish(DeferredSnapshot(5, state(), {"outer_step": 5}, CHUNK, transform=counted))
-        assert built == [] and servers[0].steps() == [5]  # published, not yet laid out or hashed
-        manifest, tensors, report = SnapshotFetcher(addresses(servers), KEY, tmp_path).fetch()
+            s.publish(Deferred(5, state(), {"outer_step": 5}, CHUNK, transform=counted), "snapshot")
+        assert built == [] and servers[0].versions("snapshot") == [5]  # published, not yet laid out or hashed
+        manifest, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path).fetch("snapshot")
     finally:
         for s in servers:
             s.stop()
     assert built == [5, 5], built  # once per source, though both served many chunks to several streams
-    assert manifest == build_snapshot(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK).manifest
+    assert manifest == lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK).manifest
     assert_state(tensors)
     with pytest.raises(TypeError, match="complex64"):  # a bad tensor fails its publisher, not a peer later
-        DeferredSnapshot(1, {"z": torch.zeros(2, dtype=torch.complex64)})
+        Deferred(1, {"z": torch.zeros(2, dtype=torch.complex64)})
 
 
 def test_a_snapshot_being_fetched_outlives_newer_ones():
-    server = SnapshotServer("127.0.0.1", 0, KEY, keep_snapshots=2, pin_s=60)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep={"snapshot": 2}, pin_s=60)
     try:
         for step in (1, 2):
-            server.publish(build_snapshot(step, {"x": torch.zeros(4)}))
+            server.publish(lay_out(step, {"x": torch.zeros(4)}), "snapshot")
         assert server.get("snapshot", "1") is not None  # a joiner starts fetching step 1
         for step in (3, 4, 5):
-            server.publish(build_snapshot(step, {"x": torch.zeros(4)}))
-        assert server.steps() == [1, 4, 5]  # 2 and 3 nobody read: evicted; 1 is in use
+            server.publish(lay_out(step, {"x": torch.zeros(4)}), "snapshot")
+        assert server.versions("snapshot") == [1, 4, 5]  # 2 and 3 nobody read: evicted; 1 is in use
         server.pin_s = 0
-        server.publish(build_snapshot(6, {"x": torch.zeros(4)}))
-        assert server.steps() == [5, 6]
+        server.publish(lay_out(6, {"x": torch.zeros(4)}), "snapshot")
+        assert server.versions("snapshot") == [5, 6]
     finally:
         server.stop()

@@ -64,7 +64,7 @@ def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
 
         def reporting():
             status = cluster.status()
-            return status["committed_step"] >= 4 and all(n.get("loss") for n in status["nodes"]) and status
+            return status["committed_round"] >= 4 and all(n.get("loss") for n in status["nodes"]) and status
         status = wait_for(reporting, 180, "both nodes to report losses and 4 outer steps to commit")
         base = f"http://127.0.0.1:{cluster.port}/"
 
@@ -79,7 +79,7 @@ def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
         assert status["run_id"] in dom
 
         # Live: a later render sees more of the run without anything being reloaded by hand.
-        wait_for(lambda: cluster.status()["committed_step"] >= status["committed_step"] + 3, 120, "3 more outer steps")
+        wait_for(lambda: cluster.status()["committed_round"] >= status["committed_round"] + 3, 120, "3 more outer steps")
         later = render(chromium, f"{base}#token={cluster.token}")
         assert canvas_points(later, "allreduce-chart") > canvas_points(dom, "allreduce-chart")
 
@@ -107,7 +107,7 @@ def test_dashboard_shows_a_live_two_node_run(tmp_path, chromium):
     summary = (out / "summary.md").read_text()
     assert "| node0 |" in summary and "| node1 |" in summary and "attempts aborted" in summary
     committed = int(re.search(r"Coordinator: (\d+) outer steps committed", summary).group(1))
-    assert committed >= status["committed_step"] + 3
+    assert committed >= status["committed_round"] + 3
     assert re.search(r"identical across nodes at (\d+) of \1 outer steps", summary), summary
 
     # Any outer step with a checkpoint exports by number, and the export generates text.

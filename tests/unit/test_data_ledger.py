@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from elastic_mesh.coordinator.leases import DataLedger, LedgerError, parse_report
+from elastic_mesh.coordinator.leases import LedgerError, WorkLedger, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState
-from prime.tools.audit import audit
+from prime.tools.audit import audit, in_prime_words
 from prime.data.leased import LeasedSequenceStream
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer
@@ -35,7 +35,7 @@ def shard_files(tmp_path):
 class Worker:
     """One local rank of one node: a leased stream and the iterator the trainer would hold."""
 
-    def __init__(self, ledger: DataLedger, state: CoordinatorState, node: str, shards) -> None:
+    def __init__(self, ledger: WorkLedger, state: CoordinatorState, node: str, shards) -> None:
         self.node, self.ledger, self.state = node, ledger, state
         self.stream = LeasedSequenceStream(shards, ByteTokenizer(), SEQ_LEN, "text", self._lease, worker=0)
         self.samples = iter(self.stream)
@@ -50,7 +50,7 @@ class Worker:
             return self.ledger.lease(self.node, 0, held)
 
     def commit(self, outer_step: int) -> int:
-        ranges = parse_report(self.stream.report(), workers=1)
+        ranges = parse_report({"data": self.stream.report()}, workers=1)["data"]
         with self.state.transaction():
             assert self.ledger.check(self.node, ranges) is None
             self.ledger.commit(outer_step, self.node, ranges)
@@ -64,9 +64,9 @@ class Worker:
         self.drawn = 0
 
 
-def fresh_ledger(tmp_path, shards: int) -> tuple[CoordinatorState, DataLedger]:
+def fresh_ledger(tmp_path, shards: int) -> tuple[CoordinatorState, WorkLedger]:
     state = CoordinatorState(tmp_path / "coordinator.sqlite")
-    ledger = DataLedger(state.db)
+    ledger = WorkLedger(state.db, "data")
     with state.transaction():
         ledger.configure(shards)
     return state, ledger
@@ -95,7 +95,7 @@ def test_commits_refusals_and_deaths_keep_every_document_exactly_once(tmp_path, 
                 workers[i] = Worker(ledger, state, f"node{born}", shards)
                 born += 1
     assert min(outcomes.values()) > 0, outcomes
-    report = audit(ledger.log(), shards, ByteTokenizer())
+    report = audit(in_prime_words(ledger.log()), shards, ByteTokenizer())
     assert report.ok, report.summary()
     assert report.finished_passes >= 4 and report.documents > 100, report.summary()
     # Each committed window moved the cursor by seq_len tokens: the audit finds exactly those tokens.
@@ -139,10 +139,10 @@ def test_overlapped_rounds_commit_late_and_still_read_exactly_once(tmp_path, sha
                     ledger.commit(marked_step, w.node, ranges)
                 w.stream.committed()  # to the oldest mark; the reading since goes on
                 committed_windows += windows
-            in_flight[i].append((step, parse_report(w.stream.mark(), workers=1), w.drawn))
+            in_flight[i].append((step, parse_report({"data": w.stream.mark()}, workers=1)["data"], w.drawn))
             w.drawn = 0
     assert min(outcomes.values()) > 0, outcomes
-    report = audit(ledger.log(), shards, ByteTokenizer())
+    report = audit(in_prime_words(ledger.log()), shards, ByteTokenizer())
     assert report.ok, report.summary()
     assert report.documents > 100 and report.tokens == committed_windows * SEQ_LEN, report.summary()
 
@@ -155,7 +155,7 @@ def test_the_audit_catches_a_duplicate_and_a_gap(tmp_path, shard_files):
         for _ in range(5):
             w.draw()
         w.commit(step)
-    log = ledger.log()
+    log = in_prime_words(ledger.log())
     assert audit(log, shards, ByteTokenizer()).ok
     duplicated = audit(log + [log[1]], shards, ByteTokenizer())
     assert not duplicated.ok and duplicated.chain_errors and duplicated.duplicated, duplicated.summary()
@@ -169,19 +169,19 @@ def test_the_ledger_refuses_reports_that_do_not_match_it(tmp_path, shard_files):
         first = ledger.lease("a", 0, [])
         assert ledger.lease("a", 0, []) == first  # the answer to a retried request, not a second shard
         ledger.lease("b", 0, [])
-        with pytest.raises(LedgerError, match="all 2 data shards are leased"):
+        with pytest.raises(LedgerError, match="all 2 data items are leased"):
             ledger.lease("c", 0, [])
-    entry = {"worker": 0, "shard": first["shard"], "pass": 0, "start": [], "end": [3, 7], "finished": False}
-    assert ledger.check("a", parse_report([entry], 1)) is None
-    assert "not leased to this node" in ledger.check("b", parse_report([entry], 1))
-    assert "committed position" in ledger.check("a", parse_report([{**entry, "start": [1, 0]}], 1))
+    entry = {"worker": 0, "item": first["item"], "pass": 0, "start": [], "end": [3, 7], "finished": False}
+    assert ledger.check("a", parse_report({"data": [entry]}, 1)["data"]) is None
+    assert "not leased to this node" in ledger.check("b", parse_report({"data": [entry]}, 1)["data"])
+    assert "committed position" in ledger.check("a", parse_report({"data": [{**entry, "start": [1, 0]}]}, 1)["data"])
     with pytest.raises(LedgerError):
-        parse_report([{**entry, "worker": 3}], 1)
+        parse_report({"data": [{**entry, "worker": 3}]}, 1)
     with pytest.raises(LedgerError):
-        parse_report("not a list", 1)
+        parse_report({"data": "not a list"}, 1)
     with state.transaction():
         assert ledger.release("a") == 1
-        assert ledger.lease("c", 0, [])["shard"] == first["shard"]
+        assert ledger.lease("c", 0, [])["item"] == first["item"]
 
 
 def test_roll_back_restores_the_cursors_of_an_earlier_step(tmp_path, shard_files):
@@ -193,10 +193,10 @@ def test_roll_back_restores_the_cursors_of_an_earlier_step(tmp_path, shard_files
         for _ in range(4):
             w.draw()
         w.commit(step)
-        snapshots[step] = state.db.execute("SELECT shard, pass, cursor FROM data_shards ORDER BY shard").fetchall()
+        snapshots[step] = state.db.execute("SELECT item, pass, cursor FROM work_items ORDER BY item").fetchall()
     assert ledger.summary()["max_pass"] >= 1  # some shard was read to its end and leased again
     for step in (30, 12, 3):
         with state.transaction():
             ledger.roll_back(step)
-        assert state.db.execute("SELECT shard, pass, cursor FROM data_shards ORDER BY shard").fetchall() == snapshots[step]
-        assert max(e["outer_step"] for e in ledger.log()) == step and ledger.summary()["leased"] == 0
+        assert state.db.execute("SELECT item, pass, cursor FROM work_items ORDER BY item").fetchall() == snapshots[step]
+        assert max(e["round"] for e in ledger.log()) == step and ledger.summary()["leased"] == 0

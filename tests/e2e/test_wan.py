@@ -183,7 +183,7 @@ def test_a_partitioned_node_is_left_out_then_rejoins_after_the_heal(tmp_path, co
             status = c.status()
     events = " | ".join(e["text"] for e in status["events"])
     # Dropped, then joined again (under its own name: names of nodes that are gone are free again).
-    assert "node2 declared dead" in events and events.count("node2 joined at outer step") == 2, events
+    assert "node2 declared dead" in events and events.count("node2 joined at round") == 2, events
     r0, r2 = c.outer_records("node0"), c.outer_records("node2")
     assert max(r0) == max(r2) == 40, (max(r0), max(r2), c.log("node2")[-3000:])
     left_out = [k for k in r0 if r0[k]["members"] == 2]

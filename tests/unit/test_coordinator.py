@@ -16,7 +16,7 @@ from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 from elastic_mesh.control.token import create_token
 
-FACTS = {"fingerprint": "fp1", "procs_per_node": 1, "model_hash": "h0", "address": ""}
+FACTS = {"fingerprint": "fp1", "procs_per_node": 1, "state_hash": "h0", "address": ""}
 
 
 @pytest.fixture()
@@ -66,13 +66,13 @@ def test_incompatible_nodes_are_refused_with_the_reason(coordinator, tmp_path):
         joined(coordinator, tmp_path, "b", fingerprint="fp2")
     with pytest.raises(CoordinatorError, match="runs 2 processes but the run's nodes run 1"):
         joined(coordinator, tmp_path, "c", procs_per_node=2)
-    with pytest.raises(CoordinatorError, match="initial weights differ"):
-        joined(coordinator, tmp_path, "d", model_hash="other")
-    with pytest.raises(CoordinatorError, match="checkpoint is of outer step 3, which this run never committed"):
-        joined(coordinator, tmp_path, "e", restored_step=3)
-    joined(coordinator, tmp_path, "f", data_shards=4, data_fingerprint="x")  # the first with data sets the run's
-    with pytest.raises(CoordinatorError, match="data .8 shards, fingerprint x. differs from the run's .4 shards"):
-        joined(coordinator, tmp_path, "g", data_shards=8, data_fingerprint="x")
+    with pytest.raises(CoordinatorError, match="initial state differs"):
+        joined(coordinator, tmp_path, "d", state_hash="other")
+    with pytest.raises(CoordinatorError, match="saved state is of round 3, which this run never committed"):
+        joined(coordinator, tmp_path, "e", restored_round=3)
+    joined(coordinator, tmp_path, "f", work={"data": {"items": 4, "fingerprint": "x"}})  # the first with data sets the run's
+    with pytest.raises(CoordinatorError, match="data work .8 items, fingerprint x. differs from the run's .4 items"):
+        joined(coordinator, tmp_path, "g", work={"data": {"items": 8, "fingerprint": "x"}})
     with pytest.raises(CoordinatorError, match="diloco.mode is 'delayed' here but None in the run"):
         joined(coordinator, tmp_path, "h", protocol={"diloco.mode": "delayed"})
 
@@ -85,7 +85,7 @@ def test_unauthenticated_requests_are_refused(coordinator, tmp_path):
         CoordinatorClient(address(coordinator)).get_status()
     assert refused.value.status == 401
     for path in ("/v1/ready", "/v1/store/get", "/v1/store/set", "/v1/heartbeat", "/v1/vote"):
-        status, body = post_raw(coordinator, path, b'{"key": "x", "outer_step": 1}',
+        status, body = post_raw(coordinator, path, b'{"key": "x", "round": 1}',
                                 {"X-Prime-Node": "nobody", "X-Prime-Session": "guess"})
         assert status == 401, path
 
@@ -116,12 +116,12 @@ def test_dead_node_is_declared_within_the_lease(coordinator, tmp_path):
 
 
 def _ready(client, step, **kw):
-    return client.long_poll("/v1/ready", {"outer_step": step, "contributes": True, "needs_state": False, **kw},
+    return client.long_poll("/v1/ready", {"round": step, "contributes": True, "needs_state": False, **kw},
                             lambda a: a.get("status") != "wait", 30)
 
 
 def _vote(client, plan, ok=True):
-    return client.long_poll("/v1/vote", {"outer_step": plan["outer_step"], "attempt": plan["attempt"], "ok": ok},
+    return client.long_poll("/v1/vote", {"round": plan["round"], "attempt": plan["attempt"], "ok": ok},
                             lambda a: "decision" in a, 30)["decision"]
 
 
@@ -157,7 +157,7 @@ def test_barrier_vote_and_abort_then_retry(coordinator, tmp_path):
         assert _together(lambda: _vote(a, pa), lambda: _vote(b, pb)) == ["apply", "apply"]
         assert _ready(a, 1)["status"] == "missed"
         status = a.get_status()
-        assert status["committed_step"] == 2
+        assert status["committed_round"] == 2
     finally:
         beats[0].set()
 
@@ -190,26 +190,26 @@ def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_fo
     def step_alone(step):
         plan = _ready(a, step)
         assert plan["world_size"] == 1 and _vote(a, plan) == "apply"
-        a.post("/v1/commit", {"outer_step": step, "model_hash": f"h{step}"})
+        a.post("/v1/commit", {"round": step, "state_hash": f"h{step}"})
     try:
         step_alone(1)
         c = joined(coordinator, tmp_path, "c")
         clients.append(c)
-        assert c.post("/v1/will_join", {"outer_step": 1})["status"] == "missed"
-        with pytest.raises(CoordinatorError, match="more than one step after"):
-            c.post("/v1/will_join", {"outer_step": 4}, retry=False)
-        assert c.post("/v1/will_join", {"outer_step": 3})["status"] == "ok"
+        assert c.post("/v1/will_join", {"round": 1})["status"] == "missed"
+        with pytest.raises(CoordinatorError, match="more than one round after"):
+            c.post("/v1/will_join", {"round": 4}, retry=False)
+        assert c.post("/v1/will_join", {"round": 3})["status"] == "ok"
         started = time.monotonic()
         step_alone(2)  # c said 3, not 2: nobody waits for it here
         assert time.monotonic() - started < 0.9
 
         def c_replays_then_joins():
             time.sleep(0.5)
-            c.post("/v1/commit", {"outer_step": 2, "model_hash": "h2"})
+            c.post("/v1/commit", {"round": 2, "state_hash": "h2"})
             return _ready(c, 3)
         pa, pc = _together(lambda: _ready(a, 3), c_replays_then_joins)
         assert pa["status"] == pc["status"] == "go" and pa["world_size"] == pc["world_size"] == 2, (pa, pc)
-        assert c.post("/v1/will_join", {"outer_step": 3})["status"] == "missed"  # its members are fixed
+        assert c.post("/v1/will_join", {"round": 3})["status"] == "missed"  # its members are fixed
         assert not any("left out" in e["text"] for e in a.get_status()["events"])
     finally:
         stop.set()

@@ -1,0 +1,104 @@
+"""Who is in the run right now: sessions, heartbeats and the liveness leases that expire them.
+
+Leases are timed on this process's monotonic clock only: no wall clocks are compared across machines.
+A node whose lease runs out is declared dead and its work goes back to the pool. Callers hold the
+coordinator's lock (its condition is `changed`) around every method that writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+import time
+
+from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
+from elastic_mesh.coordinator.leases import WorkLedgers
+from elastic_mesh.coordinator.state import CoordinatorState, Node
+
+log = logging.getLogger(__name__)
+
+
+def hash_session(session: str) -> str:
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
+class Membership:
+    def __init__(self, state: CoordinatorState, config: CoordinatorConfig, work: WorkLedgers,
+                 changed: threading.Condition) -> None:
+        self.state, self.config, self.work, self.changed = state, config, work, changed
+        self.leases: dict[str, float] = {}  # node_id -> monotonic time its lease runs out
+        self.heard_from: set[str] = set()  # nodes that made a request to this process (not just in the state)
+        now = time.monotonic()
+        for node in state.nodes():
+            if node.state == "active":
+                self.leases[node.node_id] = now + config.lease_s * 2  # grace for nodes to reconnect
+
+    def authenticate(self, node_id: str, session: str) -> Node:
+        """The node making a request, or Refused. Every request but join and status goes through here."""
+        node = self.state.node(node_id) if node_id else None
+        if node is None or not hmac.compare_digest(node.session_hash, hash_session(session or "")):
+            raise Refused(401, "unknown node or wrong session; join again with a valid token")
+        if node.state != "active":
+            raise Refused(410, f"{node.name} was declared {node.state}; join again to continue")
+        self.heard_from.add(node.node_id)
+        return node
+
+    def admit(self, node_id: str) -> None:
+        self.leases[node_id] = time.monotonic() + self.config.lease_s
+        self.heard_from.add(node_id)
+
+    def renew(self, node: Node) -> None:
+        self.expire()
+        if self.state.node(node.node_id).state != "active":
+            raise Refused(410, f"{node.name} was declared dead; join again to continue")
+        self.leases[node.node_id] = time.monotonic() + self.config.lease_s
+
+    def leave(self, node: Node) -> None:
+        with self.state.transaction():
+            node.state = "left"
+            self.state.put_node(node)
+            self.leases.pop(node.node_id, None)
+            self.work.release(node.node_id)
+            self.state.event(f"{node.name} left")
+        self.changed.notify_all()
+        log.info("%s left", node.name)
+
+    def evict(self, node_id: str) -> None:
+        """Inside the caller's transaction: the node sent invalid data and is out of the run."""
+        node = self.state.node(node_id)
+        node.state = "evicted"
+        self.state.put_node(node)
+        self.leases.pop(node_id, None)
+        self.work.release(node_id)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        expired = [n for n, until in self.leases.items() if until < now]
+        for node_id in expired:
+            del self.leases[node_id]
+            node = self.state.node(node_id)
+            if node and node.state == "active":
+                with self.state.transaction():
+                    node.state = "dead"
+                    self.state.put_node(node)
+                    self.work.release(node.node_id)  # its uncommitted work goes back to the pool
+                    self.state.event(f"{node.name} declared dead (no heartbeat for {self.config.lease_s:g} s)")
+                log.warning("%s declared dead: no heartbeat for %.1f s", node.name, self.config.lease_s)
+        if expired:
+            self.changed.notify_all()
+
+    def is_live(self, node_id: str) -> bool:
+        return node_id in self.leases
+
+    def live(self) -> list[Node]:
+        return [n for n in self.state.nodes() if n.state == "active" and n.node_id in self.leases]
+
+    def wait_for_reconnects(self) -> None:
+        """Nodes known from before a coordinator restart get a grace period to reconnect (the caller holds
+        the lock, outside any transaction)."""
+        give_up = time.monotonic() + 2 * self.config.lease_s + 1
+        while any(n.node_id not in self.heard_from for n in self.live()) and time.monotonic() < give_up:
+            self.changed.wait(timeout=0.25)
+            self.expire()
