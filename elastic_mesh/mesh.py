@@ -20,15 +20,21 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_mesh.control.client import CoordinatorClient, CoordinatorError, Credentials, Heartbeat, TelemetryBuffer
+from elastic_mesh.control.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    Credentials,
+    Heartbeat,
+    TelemetryBuffer,
+)
+from elastic_mesh.control.store import CoordinatorStore
+from elastic_mesh.control.token import read_token
 from elastic_mesh.rounds.plan import RoundClient, RoundPlan
 from elastic_mesh.transfer.chunks import TransferError
 from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport
 from elastic_mesh.transfer.server import ChunkServer
 from elastic_mesh.wire.socket_pacing import GroupSockets, NewConnections
-from elastic_mesh.control.store import CoordinatorStore
 from elastic_mesh.wire.topology import LinkEstimates
-from elastic_mesh.control.token import read_token
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from launch.cluster import REPO, LocalCluster
 
 

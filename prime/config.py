@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 import types
 import typing
 from pathlib import Path
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from elastic_mesh.mesh import MeshConfig
 from prime.core.checkpoint import CheckpointConfig
-from prime.data.loader import DataConfig
-from prime.diloco.config import DilocoConfig
 from prime.core.metrics import MetricsConfig
 from prime.core.model import ModelConfig
 from prime.core.optim import OptimConfig
+from prime.data.loader import DataConfig
+from prime.diloco.config import DilocoConfig
 from prime.pretrain.config import TrainConfig
 
 

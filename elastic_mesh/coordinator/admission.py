@@ -11,11 +11,11 @@ import secrets
 import threading
 import time
 
+from elastic_mesh.control.token import TokenError, verify_token
 from elastic_mesh.coordinator.config import Refused, check_shared_settings
 from elastic_mesh.coordinator.leases import WorkLedgers
 from elastic_mesh.coordinator.membership import Membership, hash_session
 from elastic_mesh.coordinator.state import CoordinatorState, Node
-from elastic_mesh.control.token import TokenError, verify_token
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ import os
 import secrets
 from pathlib import Path
 
+from elastic_mesh.control.token import create_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.core import Coordinator
 from elastic_mesh.coordinator.server import CoordinatorServer
 from elastic_mesh.coordinator.state import CoordinatorState
-from elastic_mesh.control.token import create_token
 
 
 def _secret(state_dir: Path) -> bytes:

@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.wire.codecs import BLOCK, Codec
-from elastic_mesh.wire.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, PiecewiseSend, piece_bytes, pieces
+from elastic_mesh.wire.pacing import (
+    MAX_SPREAD_S,
+    MIN_SPREAD_S,
+    Pacer,
+    PiecewiseSend,
+    piece_bytes,
+    pieces,
+)
 from elastic_mesh.wire.socket_pacing import GroupSockets
 from elastic_mesh.wire.topology import LinkEstimates, choose_ring, rate_matrix
 

@@ -10,7 +10,6 @@ import time
 import torch
 import torch.distributed as dist
 
-
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.wire.collectives import all_reduce_mean
 from elastic_mesh.wire.topology import LinkEstimates

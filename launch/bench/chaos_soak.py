@@ -29,9 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-
-from launch.fault_injector import FaultInjector
 from launch.cluster import LocalCluster
+from launch.fault_injector import FaultInjector
 from prime.data.builtin_corpus import prepare
 
 LEASE_S = 3.0
@@ -241,9 +240,9 @@ def soak(args) -> dict:
 
 def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
     """Every document read by a committed outer step, counted by id against the shard files."""
-    from prime.tools.audit import audit_ledger
     from prime.data.shards import make_shards
     from prime.data.tokenizer import ByteTokenizer
+    from prime.tools.audit import audit_ledger
 
     shards = make_shards(sorted(str(p) for p in corpus.glob("train-*.jsonl")), 1)
     report = audit_ledger(cluster.state_dir / "coordinator.sqlite", shards, ByteTokenizer())

@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from launch.cluster import LocalCluster
 from prime.data.builtin_corpus import prepare
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 from prime.config import load_config
 from prime.core.distributed import close_local_group, init_local_group
 from prime.core.model import build_model

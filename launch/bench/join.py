@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from launch.cluster import LocalCluster, wait_for
 from launch.wan.harness import LinkProfile, WanTopology
 from prime.data.builtin_corpus import prepare

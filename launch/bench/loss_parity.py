@@ -22,12 +22,18 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 
 from launch.cluster import LocalCluster, child_env
-from prime.core.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.data.builtin_corpus import prepare
-from prime.data.loader import BatchIterator, DataConfig, PackedSequenceStream, eval_shards, train_and_eval_files
-from prime.data.tokenizer import ByteTokenizer
+from prime.core.checkpoint import CheckpointStore
 from prime.core.model import build_model
+from prime.data.builtin_corpus import prepare
+from prime.data.loader import (
+    BatchIterator,
+    DataConfig,
+    PackedSequenceStream,
+    eval_shards,
+    train_and_eval_files,
+)
+from prime.data.tokenizer import ByteTokenizer
 
 
 @torch.no_grad()

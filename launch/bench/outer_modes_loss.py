@@ -15,7 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 from launch.cluster import LocalCluster
 from prime.data.builtin_corpus import prepare
 

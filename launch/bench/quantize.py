@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 from elastic_mesh.wire.codecs import BLOCK, codec_for
 
 LINK_BYTES_PER_S = 1e9 / 8

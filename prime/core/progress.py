@@ -36,7 +36,13 @@ class ProgressDisplay:
 
     def _start_live(self, console, start: int) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self._console = console or Console(file=sys.stderr)
         self._live = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24),

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
+from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
+from elastic_mesh.transfer.chunks import TransferError
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.wire.collectives import decode_wire
-from elastic_mesh.mesh import node_hash
-from elastic_mesh.mesh import ElasticDeviceMesh
-from elastic_mesh.transfer.chunks import TransferError
 from prime.core.optim import bound_first_moment, load_adam_state
 from prime.diloco.config import DilocoConfig
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
+from prime.diloco.trainer_view import TrainerView
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class CatchUp:
         self.snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
 
-    def run(self, trainer, full: bool) -> dict:
+    def run(self, trainer: TrainerView, full: bool) -> dict:
         """Brings this node to the newest committed step from its peers, with nobody waiting for it: replays
         the updates it missed (or fetches a whole snapshot when it holds nothing usable), then waits for
         the next commit, replays that too, and starts the following round with everyone. The caller
@@ -81,7 +81,7 @@ class CatchUp:
                 "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
                 "step": trainer.step}
 
-    def _take_inner_state(self, trainer) -> int:
+    def _take_inner_state(self, trainer: TrainerView) -> int:
         """Peers' AdamW moments after the snapshot's step (a publisher may still be writing them: a few
         tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
         work_dir = self.work_dir / f"rank{self.mesh.local_rank}"

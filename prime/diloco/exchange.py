@@ -15,11 +15,15 @@ from typing import Callable
 import torch
 
 from elastic_mesh.control.client import CoordinatorError
-from elastic_mesh.wire.codecs import Codec
-from elastic_mesh.wire.collectives import AllReduceResult, CollectiveError, all_reduce_mean
-from elastic_mesh.wire.topology import describe_ring
 from elastic_mesh.mesh import ElasticDeviceMesh
 from elastic_mesh.rounds.plan import RoundPlan
+from elastic_mesh.wire.codecs import Codec
+from elastic_mesh.wire.collectives import (
+    AllReduceResult,
+    CollectiveError,
+    all_reduce_mean,
+)
+from elastic_mesh.wire.topology import describe_ring
 
 log = logging.getLogger(__name__)
 

@@ -26,15 +26,23 @@ from pathlib import Path
 
 import torch
 
-from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.transfer.chunks import Deferred
+from elastic_mesh.wire.codecs import codec_for
+from prime.core.optim import adam_state_tensors
 from prime.diloco.catch_up import CatchUp, whole_snapshot_step
 from prime.diloco.config import DilocoConfig
+from prime.diloco.exchange import (
+    Exchange,
+    InFlight,
+    Pace,
+    StepClock,
+    exchange,
+    plan_pace,
+)
 from prime.diloco.faults import NoFaults, OuterStepFaults
-from prime.core.optim import adam_state_tensors
-from prime.diloco.exchange import Exchange, InFlight, Pace, StepClock, exchange, plan_pace
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
+from prime.diloco.trainer_view import TrainerView
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ class DilocoHook:
         self._clock = StepClock()  # paces the overlapped modes' all-reduces (diloco.pace)
         self._overheads: deque[tuple[float, float]] = deque(maxlen=5)  # recent outer steps' (plan, vote + commit)
 
-    def on_start(self, trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         committed, restored = self.mesh.joined["committed_round"], self.outer_step
         if restored and self.config.mode != "blocking":
             self.outer.copy_to(local_shards(self.model))  # the checkpoint's local progress was never averaged
@@ -71,7 +79,7 @@ class DilocoHook:
         elif committed > 0:  # a running job: this node's weights are stale (initial, or an older checkpoint)
             trainer.metrics.write(self._catch_up(trainer, full=not restored))
 
-    def _catch_up(self, trainer, full: bool) -> dict:
+    def _catch_up(self, trainer: TrainerView, full: bool) -> dict:
         """Reaches the run's newest committed step from peers (catch_up.py), nobody waiting for this node."""
         self._wait_for_publisher()
         self.catch_up.outer_step = self.outer_step
@@ -90,7 +98,7 @@ class DilocoHook:
             step = inflight.step
         return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(step)}
 
-    def on_end(self, trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
         """Keeps serving for a while after the last step, so a node still catching up can finish too."""
         applied = self.outer_step
         for inflight in self._inflight:  # a run that ends between outer steps: it ends on the last average
@@ -111,7 +119,7 @@ class DilocoHook:
                 return
             time.sleep(0.5)
 
-    def after_step(self, trainer, step: int) -> dict | None:
+    def after_step(self, trainer: TrainerView, step: int) -> dict | None:
         self._clock.tick()
         if self.config.mode != "blocking":
             return self._overlapped_step(trainer, step)
@@ -122,7 +130,7 @@ class DilocoHook:
         return exchange(mesh, step, pseudo, data, self.codec, self.config.outlier_factor,
                         lambda phase: self.faults.allreduce_phase(step, phase), contributes, pace)
 
-    def _out_of_step(self, trainer, exchange: Exchange) -> dict:
+    def _out_of_step(self, trainer: TrainerView, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
         the node catches up from its peers, without anyone waiting for it."""
         if exchange.status == "dropped":
@@ -142,14 +150,14 @@ class DilocoHook:
                       model_hash, commit.get("majority_hash"), step)
         return model_hash
 
-    def _round_data(self, trainer, mark: bool = False) -> list[dict]:
+    def _round_data(self, trainer: TrainerView, mark: bool = False) -> list[dict]:
         """What every worker of this node read this round; the coordinator records it with the step."""
         if trainer.leased is None:
             return [r for worker in self.mesh.gather([]) for r in worker]
         mine = trainer.leased.mark() if mark else trainer.leased.report()
         return [r for worker in self.mesh.gather(mine) for r in worker]
 
-    def _round(self, trainer) -> dict:
+    def _round(self, trainer: TrainerView) -> dict:
         """blocking: the inner steps wait while the outer step is decided."""
         started = time.perf_counter()
         self._wait_for_publisher()
@@ -173,7 +181,7 @@ class DilocoHook:
         self._publish(step, exchange.result, trainer.optimizer)
         return self._record(trainer, exchange, model_hash, time.perf_counter() - started)
 
-    def _record(self, trainer, exchange: Exchange, model_hash: str, waited_s: float,
+    def _record(self, trainer: TrainerView, exchange: Exchange, model_hash: str, waited_s: float,
                 fragment: int | None = 0, lag: int = 0) -> dict:
         """lag: inner steps between the launch of an overlapped outer step and its application."""
         plan, result = exchange.plan, exchange.result
@@ -200,7 +208,7 @@ class DilocoHook:
         return record
 
     # ---- delayed and streaming: outer steps decided in the background while the inner steps go on --------
-    def _overlapped_step(self, trainer, step: int) -> dict | None:
+    def _overlapped_step(self, trainer: TrainerView, step: int) -> dict | None:
         """Every inner step of the overlapped modes. An outer step launched τ steps ago (diloco.overlap) is
         applied now to its fragment of the model, keeping the local progress made since it was launched:
         θ ← outer + (θ − θ at launch). Every sync_period steps the next fragment's pseudo-gradient
@@ -213,7 +221,7 @@ class DilocoHook:
             return record
         return self._launch(trainer, step, record, contribute=outcome != "rewound", started=started)
 
-    def _apply_inflight(self, trainer, started: float, due_at: int | None = None) -> tuple[str, dict | None]:
+    def _apply_inflight(self, trainer: TrainerView, started: float, due_at: int | None = None) -> tuple[str, dict | None]:
         """Applies the outer steps in flight that are due at inner step `due_at` (all of them: None), oldest
         first; with diloco.apply_early, also those already decided, however few steps ago they went out.
         Returns ("ok" | "rewound" | "caught_up", the last record; earlier ones are written).
@@ -246,7 +254,7 @@ class DilocoHook:
         at the same inner step: a failure sends them all into the same catch-up)."""
         return self.config.apply_early and self.mesh.agree(self._inflight[0].decided())
 
-    def _apply_all_inflight(self, trainer, record: dict | None, started: float) -> tuple[str, dict | None]:
+    def _apply_all_inflight(self, trainer: TrainerView, record: dict | None, started: float) -> tuple[str, dict | None]:
         """_apply_inflight for every step in flight, due or not; `record` (not yet written) goes first."""
         if record:
             trainer.metrics.write(record)
@@ -257,7 +265,7 @@ class DilocoHook:
             inflight.settled()  # a background thread must not touch the outer params while the node catches up
         self._inflight.clear()
 
-    def _launch(self, trainer, step: int, record: dict | None, contribute: bool, started: float) -> dict | None:
+    def _launch(self, trainer: TrainerView, step: int, record: dict | None, contribute: bool, started: float) -> dict | None:
         last = step >= trainer.config.train.max_steps
         if last and self._inflight:  # the run ends on the average of every step: the ones in flight first
             outcome, record = self._apply_all_inflight(trainer, record, started)
@@ -348,7 +356,7 @@ class DilocoHook:
             exchange.timings["settle_s"] = time.perf_counter() - decided
         return exchange
 
-    def _applied_late(self, trainer, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
+    def _applied_late(self, trainer: TrainerView, exchange: Exchange, inflight: InFlight, waited_s: float) -> dict:
         self.outer_step = exchange.step
         timings = exchange.timings
         self._overheads.append((timings.get("plan_s", 0.0), timings.get("vote_s", 0.0) + timings.get("settle_s", 0.0)))
@@ -405,7 +413,7 @@ class DilocoHook:
             self._publisher = None
 
     @staticmethod
-    def _settle_data(trainer, outcome: str) -> None:
+    def _settle_data(trainer: TrainerView, outcome: str) -> None:
         """After a round: its reading was averaged (committed), must be read again (rewind: refused, missed),
         or the leases are gone with the node's old membership (forget)."""
         if trainer.leased is None:

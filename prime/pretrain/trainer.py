@@ -17,20 +17,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from prime.core.checkpoint import CheckpointStore
 from prime.config import JobConfig
-from prime.data.leased import LeasedSequenceStream
-from prime.data.loader import (BatchIterator, DataPosition, PackedSequenceStream, eval_shards,
-                               train_and_eval_files, worker_shards)
-from prime.data.shards import make_shards
-from prime.data.tokenizer import load_tokenizer
+from prime.core.checkpoint import CheckpointStore
 from prime.core.distributed import LocalGroup
 from prime.core.flops import peak_flops
 from prime.core.metrics import MetricsWriter
-from prime.core.progress import ProgressDisplay
 from prime.core.model import build_model, count_parameters, flops_per_token
 from prime.core.optim import build_optimizer
 from prime.core.parallelize import compute_dtype, parallelize, uses_fsdp
+from prime.core.progress import ProgressDisplay
+from prime.data.leased import LeasedSequenceStream
+from prime.data.loader import (
+    BatchIterator,
+    DataPosition,
+    PackedSequenceStream,
+    eval_shards,
+    train_and_eval_files,
+    worker_shards,
+)
+from prime.data.shards import make_shards
+from prime.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -71,8 +71,8 @@ def find_outer_step_checkpoint(run_dir: Path, outer_step: int) -> Path:
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    from prime.core.checkpoint import CheckpointStore
     from prime.config import JobConfig
+    from prime.core.checkpoint import CheckpointStore
     from prime.core.model import build_model
 
     checkpoint = Path(checkpoint)

@@ -14,8 +14,8 @@ import pytest
 
 from elastic_mesh.control.process_tree import descendants
 from elastic_mesh.control.token import create_token
-from launch.fault_injector import hostile, listening_ports
 from launch.cluster import LocalCluster
+from launch.fault_injector import hostile, listening_ports
 
 
 def test_hostile_input_on_every_listening_port(tmp_path, corpus):

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from prime.diloco.exchange import plan_pace
-from tests.e2e.test_multinode import assert_exactly_once, assert_identical, cluster, join_midway
+from tests.e2e.test_multinode import (
+    assert_exactly_once,
+    assert_identical,
+    cluster,
+    join_midway,
+)
 
 DELAYED = ["--diloco.mode", "delayed"]
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from elastic_mesh.wire.codecs import codec_for
 from elastic_mesh.wire.collectives import all_reduce_mean
 from launch.cluster import LocalCluster
-from prime.core.checkpoint import CheckpointStore
 from prime.config import load_config
-from prime.diloco.outer_optimizer import OuterOptimizer, split_evenly
+from prime.core.checkpoint import CheckpointStore
 from prime.core.model import build_model
+from prime.diloco.outer_optimizer import OuterOptimizer, split_evenly
 from tests.conftest import REPO, run_train
 
 

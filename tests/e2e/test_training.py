@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from prime.core.checkpoint import CheckpointStore
 from prime.config import load_config
+from prime.core.checkpoint import CheckpointStore
 from prime.core.model import build_model
 from tests.conftest import REPO, read_metrics, run_train
 
@@ -127,8 +127,8 @@ def test_export_gives_the_live_trainers_logits(corpus, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from prime.core.distributed import close_local_group, init_local_group
-    from prime.tools.export import export_checkpoint
     from prime.pretrain.trainer import Trainer
+    from prime.tools.export import export_checkpoint
 
     config = load_config(REPO / "configs/debug.toml", {"data.path": str(corpus), "train.max_steps": "3"})
     group = init_local_group("cpu")  # a real one-rank Gloo group in this process

@@ -13,7 +13,13 @@ import sys
 import pytest
 
 from launch.cluster import LocalCluster
-from launch.wan.harness import PROFILES, LinkProfile, PathProfile, WanTopology, can_emulate
+from launch.wan.harness import (
+    PROFILES,
+    LinkProfile,
+    PathProfile,
+    WanTopology,
+    can_emulate,
+)
 
 pytestmark = pytest.mark.skipif(can_emulate() is not None, reason=f"no WAN emulation here: {can_emulate()}")
 PROBE = ["launch/wan/probe.py"]

@@ -22,7 +22,11 @@ def _free_port() -> int:
 def _member(rank, world, port, size, compression, special, queue, streams=1):
     import torch.distributed as dist
 
-    from elastic_mesh.wire.collectives import CollectiveError, all_reduce_mean, decode_wire
+    from elastic_mesh.wire.collectives import (
+        CollectiveError,
+        all_reduce_mean,
+        decode_wire,
+    )
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))

@@ -12,9 +12,9 @@ import urllib.request
 import pytest
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.token import create_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import make_token, start_coordinator
-from elastic_mesh.control.token import create_token
 
 FACTS = {"fingerprint": "fp1", "procs_per_node": 1, "state_hash": "h0", "address": ""}
 

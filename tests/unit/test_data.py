@@ -7,8 +7,15 @@ import sys
 import pytest
 import torch
 
-from prime.data.loader import (BatchIterator, DataConfig, DataPosition, PackedSequenceStream, eval_shards,
-                               train_and_eval_files, worker_shards)
+from prime.data.loader import (
+    BatchIterator,
+    DataConfig,
+    DataPosition,
+    PackedSequenceStream,
+    eval_shards,
+    train_and_eval_files,
+    worker_shards,
+)
 from prime.data.shards import Shard, iter_documents, iter_records, make_shards
 from prime.data.tokenizer import ByteTokenizer
 from tests.conftest import REPO, child_env

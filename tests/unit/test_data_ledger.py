@@ -10,10 +10,10 @@ import pytest
 
 from elastic_mesh.coordinator.leases import LedgerError, WorkLedger, parse_report
 from elastic_mesh.coordinator.state import CoordinatorState
-from prime.tools.audit import audit, in_prime_words
 from prime.data.leased import LeasedSequenceStream
 from prime.data.shards import make_shards
 from prime.data.tokenizer import ByteTokenizer
+from prime.tools.audit import audit, in_prime_words
 
 SEQ_LEN = 32
 

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from elastic_mesh.control.client import CoordinatorClient
-from elastic_mesh.coordinator.run import make_token
 from elastic_mesh.control.kept_connections import KeptConnections
+from elastic_mesh.coordinator.run import make_token
 
 
 class CountingServer(ThreadingHTTPServer):

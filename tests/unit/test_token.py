@@ -2,7 +2,12 @@
 
 import pytest
 
-from elastic_mesh.control.token import TokenError, create_token, read_token, verify_token
+from elastic_mesh.control.token import (
+    TokenError,
+    create_token,
+    read_token,
+    verify_token,
+)
 
 SECRET = bytes(range(32))
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 
-from elastic_mesh.wire.topology import LinkEstimates, choose_ring, hop_rates, rate_matrix
+from elastic_mesh.wire.topology import (
+    LinkEstimates,
+    choose_ring,
+    hop_rates,
+    rate_matrix,
+)
 
 
 def _best_bottleneck(rates):
