@@ -33,7 +33,7 @@ class Refused(Exception):
 
 
 def check_shared_settings(run: dict | None, node: object) -> dict:
-    """The settings every node of a run must share (diloco.inner_steps, mode, ...), as the joining node
+    """The settings every node of a run must share (for prime: diloco.inner_steps, mode, ...), as the joining node
     sent them; refused with each difference named when they differ from the run's (`run`: None for the
     first node, whose settings become the run's)."""
     if not isinstance(node, dict) or len(json.dumps(node)) > 4096:

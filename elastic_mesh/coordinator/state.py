@@ -70,7 +70,7 @@ class CoordinatorState:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'steps'").fetchone():
-            raise ValueError(f"{path} was written by a coordinator before 0.2 (its tables speak of outer steps); "
+            raise ValueError(f"{path} was written by a coordinator before 0.2 (its tables speak of steps, not rounds); "
                              "finish that run with the version that started it, or start a new --state-dir")
         self.db.executescript(_SCHEMA)
 

@@ -1,19 +1,20 @@
-"""What nodes report for the dashboard: which fields are kept, and how a record is cleaned.
+"""What members report for the dashboard: which fields are kept, and how a record is cleaned.
 
-Telemetry is for people watching the run; nothing the coordinator decides depends on it. A node can
-send anything, so only known numeric fields survive, non-finite numbers are dropped (JSON has no NaN
-and the browser would choke on it), and a heartbeat carries a bounded number of records.
+Telemetry is for people watching the run; nothing the coordinator decides depends on it, and it knows
+none of the fields' meanings (a trainer sends its loss and steps; the dashboard plots what it finds). A
+node can send anything, so only short lower-case names with finite numbers survive (JSON has no NaN
+and the browser would choke on it), a record keeps at most MAX_FIELDS of them, and a heartbeat
+carries a bounded number of records.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
-# Inner-step records (step, loss, ...), eval records (eval_loss) and outer-step records (outer_step, ...).
-FIELDS = ("time", "step", "loss", "eval_loss", "outer_eval_loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "outer_step",
-          "epoch", "members", "nodes", "attempt", "allreduce_s", "outer_s", "bytes_sent", "bytes_received",
-          "tokens_contributed")
 MAX_RECORDS_PER_HEARTBEAT = 500
+MAX_FIELDS = 32
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
 def clean_records(raw: object) -> list[dict]:
@@ -24,7 +25,8 @@ def clean_records(raw: object) -> list[dict]:
     for item in raw[:MAX_RECORDS_PER_HEARTBEAT]:
         if not isinstance(item, dict):
             continue
-        record = {k: item[k] for k in FIELDS if _finite_number(item.get(k))}
+        fields = [(k, v) for k, v in item.items() if isinstance(k, str) and _NAME.fullmatch(k) and _finite_number(v)]
+        record = dict(fields[:MAX_FIELDS])
         if len(record) > ("time" in record):
             records.append(record)
     return records

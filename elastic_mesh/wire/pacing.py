@@ -1,6 +1,6 @@
 """Paced sending, so an all-reduce that runs behind compute need not burst at the link's rate.
 
-An overlapped outer step has a whole window of inner steps to move its bytes. Sent at the link's
+An all-reduce that runs behind the caller's compute has a whole window to move its bytes. Sent at the link's
 rate it fills the link for a few seconds and then leaves it idle; a link shared with other traffic
 (or billed, or policed, at its peak) is better served by the same bytes spread over the window. So a
 member may cut every transfer into pieces and post each piece only when a token bucket allows: the
