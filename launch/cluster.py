@@ -1,8 +1,9 @@
-"""LocalCluster: a coordinator and DiLoCo nodes as real processes on this machine (used by
-launch/local.py, the tests and the benchmarks).
+"""LocalCluster: the launcher library. A coordinator and the processes of each role (DiLoCo nodes today;
+the RL trainer, orchestrator and inference workers next) as real processes on this machine, optionally
+each in its own emulated WAN host (used by launch/local.py, the tests and the benchmarks).
 
-Each node is its own `torchrun` in its own session, so killing it (SIGKILL to the process group) is
-what a machine dying looks like. The coordinator can be killed and restarted on the same port.
+Every process is its own session (`spawn`), so killing it (SIGKILL to the process group) is what a
+machine dying looks like. The coordinator can be killed and restarted on the same port.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class LocalCluster:
                         sys.stdout.flush()
         threading.Thread(target=run, daemon=True).start()
 
+    def spawn(self, cmd: list[str], prefix: str, log_path: Path) -> subprocess.Popen:
+        """One process of any role, in its own session, its output in `log_path` (and echoed with
+        `prefix` when the cluster echoes). The caller puts the host's prefix (`_prefix`) in `cmd`."""
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env(), start_new_session=True)
+        self._pump(proc, prefix, log_path)
+        return proc
+
     def start_coordinator(self, start_nodes: int = 1) -> None:
         """Starts it (again, on the same port and state, if it ran before)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -78,9 +87,7 @@ class LocalCluster:
         cmd = [*self._prefix("coordinator"), sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", host,
                "--port", str(self.port), "--state-dir", str(self.state_dir), "--start-nodes", str(start_nodes),
                *self.coordinator_args]
-        self.coordinator = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            text=True, env=child_env(), start_new_session=True)
-        self._pump(self.coordinator, "[coordinator]", self.state_dir / "log")
+        self.coordinator = self.spawn(cmd, "[coordinator]", self.state_dir / "log")
         deadline = time.monotonic() + 60
         while not address_file.exists():
             if self.coordinator.poll() is not None or time.monotonic() > deadline:
@@ -108,11 +115,8 @@ class LocalCluster:
                f"--nproc-per-node={self.nproc}", "-m", "prime.train", "--config", self.config,
                "--join", token or self.token, "--name", name, "--run-dir", str(node_dir), *wan_args,
                *self.overrides, *(extra or [])]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=child_env(), start_new_session=True)
-        self._pump(proc, f"[{name}]", node_dir / "log")
-        self.nodes[name] = proc
-        return proc
+        self.nodes[name] = self.spawn(cmd, f"[{name}]", node_dir / "log")
+        return self.nodes[name]
 
     def kill_node(self, name: str, sig: int = signal.SIGKILL) -> None:
         """SIGKILL: the agent and every local rank at once, like a machine dying. SIGTERM: the agent only,
