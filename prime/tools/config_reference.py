@@ -1,0 +1,108 @@
+"""Writes the settings reference in docs/configuration.md from the pydantic models themselves, so the
+page cannot drift from the code: every job field (with its TOML section and command-line form), the
+coordinator's options and the fault-injection options.
+
+    python -m prime.tools.config_reference --write docs/configuration.md   # regenerate
+    python -m prime.tools.config_reference --check docs/configuration.md   # exit 1 if stale (a test runs it)
+
+Only the part between the BEGIN/END markers is generated; the prose around it is written by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from elastic_mesh.coordinator.config import CoordinatorConfig
+from prime.config import JobConfig
+from prime.testing.faults import PREFIX, FaultConfig
+
+BEGIN = "<!-- BEGIN GENERATED: python -m prime.tools.config_reference --write docs/configuration.md -->"
+END = "<!-- END GENERATED -->"
+
+
+def _type_name(annotation: object) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(field) -> str:
+    value = field.default if field.default_factory is None else field.default_factory()
+    return f"`{value!r}`"
+
+
+def _cell(text: str) -> str:
+    return (text or "").replace("|", "\\|").replace("\n", " ")
+
+
+def _table(model: type[BaseModel], option) -> list[str]:
+    """One row per field; `option(name)` is the command-line form of a field."""
+    lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        lines.append(f"| `{option(name)}` | {_cell(_type_name(field.annotation))} | {_default(field)} "
+                     f"| {_cell(field.description or '')} |")
+    return lines
+
+
+def generate() -> str:
+    out = [BEGIN, ""]
+    for section, field in JobConfig.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            doc = (annotation.__doc__ or "").strip().splitlines()[0] if annotation.__doc__ else ""
+            out += [f"### `[{section}]` ({annotation.__name__})", ""] + ([doc, ""] if doc else [])
+            out += _table(annotation, lambda name, s=section: f"--{s}.{name}") + [""]
+        else:
+            out += [f"### `{section}`", "", _cell(field.description or ""), f"(default {_default(field)};"
+                    f" `--{section} VALUE`)", ""]
+    out += ["### Coordinator (`python -m elastic_mesh.coordinator serve`)", "",
+            (CoordinatorConfig.__doc__ or "").strip(), ""]
+    out += _table(CoordinatorConfig, lambda name: "--" + name.replace("_", "-")) + [""]
+    out += ["### Fault injection (`prime.train --chaos.KEY VALUE`; tests and the chaos harness only)", "",
+            (FaultConfig.__doc__ or "").strip() + " Not part of the job's config: its fingerprint and "
+            "`config.json` never see these.", ""]
+    out += _table(FaultConfig, lambda name: f"--{PREFIX}{name}") + ["", END]
+    return "\n".join(out)
+
+
+def _with_generated(page: str) -> str:
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"the page has no {BEGIN!r} ... {END!r} markers to write between")
+    head, rest = page.split(BEGIN, 1)
+    return head + generate() + rest.split(END, 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prime.tools.config_reference", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", type=Path, metavar="PAGE", help="regenerate the part between the markers of PAGE")
+    group.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if PAGE's generated part is stale")
+    args = parser.parse_args(argv)
+    page = args.write or args.check
+    if not page.exists():
+        parser.error(f"{page} does not exist")
+    text = page.read_text()
+    fresh = _with_generated(text)
+    if args.check:
+        if fresh != text:
+            print(f"{page} is stale; run: python -m prime.tools.config_reference --write {page}", file=sys.stderr)
+            return 1
+        return 0
+    page.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
