@@ -27,6 +27,7 @@ from elastic_mesh.control.client import (
     Heartbeat,
     TelemetryBuffer,
 )
+from elastic_mesh.control.lifeline import LifeLine
 from elastic_mesh.control.store import CoordinatorStore
 from elastic_mesh.control.token import read_token
 from elastic_mesh.rounds.plan import RoundClient, RoundPlan
@@ -99,6 +100,7 @@ class ElasticDeviceMesh:
         self.client = CoordinatorClient(read_token(token).coordinator, config.request_timeout_s,
                                         config.coordinator_retry_s)
         self.heartbeat: Heartbeat | None = None
+        self.lifeline: LifeLine | None = None  # held by local rank 0: its close tells the coordinator we died
         self.telemetry = TelemetryBuffer()
         self._groups: dict[int, list[dist.ProcessGroup]] = {}
         self._sockets: dict[int, list[GroupSockets | None]] = {}
@@ -128,7 +130,11 @@ class ElasticDeviceMesh:
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
+            if self.lifeline:  # an older session's (a rejoin): the coordinator already counts it gone
+                self.lifeline.stop()
             self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], self.telemetry).start()
+            self.lifeline = LifeLine(self.client.address, answer["node_id"], answer["session"],
+                                     self.config.request_timeout_s).start()
         return answer
 
     def share(self, value: dict | None) -> dict:
@@ -280,6 +286,8 @@ class ElasticDeviceMesh:
                     self.client.post("/v1/leave", {}, retry=False)
                 except CoordinatorError:
                     pass  # the coordinator will notice the missing heartbeats instead
+            if self.lifeline:  # after the leave, so this close does not read as a death
+                self.lifeline.stop()
         self._groups.clear()
         self._sockets.clear()
         self.server.stop()

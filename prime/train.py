@@ -35,6 +35,10 @@ options:
   --quiet            no progress bar
   -h, --help         this text
 
+exit status: 0 done; 2 bad config, token or admission; 3 the coordinator dropped or refused the node, or
+could not be reached; 4 left behind: no other node is in the run and none holds the state it needs
+(under torchrun the agent exits 1 and logs the rank's status as "exitcode: N")
+
 config fields (override any with --section.key VALUE):
 """
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_mesh.control.client import CoordinatorError
     from elastic_mesh.control.token import TokenError
     from prime.core.distributed import close_local_group, init_local_group
+    from prime.diloco.catch_up import LeftBehind
     from prime.diloco.attach import attach_to_run
     from prime.pretrain.trainer import Trainer
 
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         except CoordinatorError as e:
             print(f"error: {e}", file=sys.stderr)
             return 3
+        except LeftBehind as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 4
         finally:
             trainer.close()
         if group.is_leader:

@@ -1,7 +1,8 @@
 """Who is in the run right now: sessions, heartbeats and the liveness leases that expire them.
 
 Leases are timed on this process's monotonic clock only: no wall clocks are compared across machines.
-A node whose lease runs out is declared dead and its work goes back to the pool. Callers hold the
+A node whose lease runs out, or whose lifeline connection closes (control/lifeline.py: its process
+died), is declared dead and its work goes back to the pool. Callers hold the
 coordinator's lock (its condition is `changed`) around every method that writes.
 """
 
@@ -77,17 +78,29 @@ class Membership:
         now = time.monotonic()
         expired = [n for n, until in self.leases.items() if until < now]
         for node_id in expired:
-            del self.leases[node_id]
-            node = self.state.node(node_id)
-            if node and node.state == "active":
-                with self.state.transaction():
-                    node.state = "dead"
-                    self.state.put_node(node)
-                    self.work.release(node.node_id)  # its uncommitted work goes back to the pool
-                    self.state.event(f"{node.name} declared dead (no heartbeat for {self.config.lease_s:g} s)")
-                log.warning("%s declared dead: no heartbeat for %.1f s", node.name, self.config.lease_s)
+            self._declare_dead(node_id, f"no heartbeat for {self.config.lease_s:g} s")
         if expired:
             self.changed.notify_all()
+
+    def lifeline_closed(self, node_id: str, session_hash: str) -> None:
+        """The node's lifeline connection closed without a leave: its process is gone (the kernel closes
+        a dead process's connections at once), so it is dead now rather than when its lease runs out.
+        A lifeline of an older session (the node rejoined since) changes nothing."""
+        node = self.state.node(node_id)
+        if node is not None and node.state == "active" and node.session_hash == session_hash:
+            self._declare_dead(node_id, "its connection closed: the process is gone")
+            self.changed.notify_all()
+
+    def _declare_dead(self, node_id: str, why: str) -> None:
+        self.leases.pop(node_id, None)
+        node = self.state.node(node_id)
+        if node and node.state == "active":
+            with self.state.transaction():
+                node.state = "dead"
+                self.state.put_node(node)
+                self.work.release(node.node_id)  # its uncommitted work goes back to the pool
+                self.state.event(f"{node.name} declared dead ({why})")
+            log.warning("%s declared dead: %s", node.name, why)
 
     def is_live(self, node_id: str) -> bool:
         return node_id in self.leases

@@ -1,7 +1,7 @@
 """HTTP front of the coordinator: JSON in, JSON out, every request but join authenticated; the dashboard at `/`.
 
 Nothing is unpickled; bodies are size-limited; every socket has a read timeout so a silent client
-cannot hold a thread for ever.
+cannot hold a thread for ever, except each admitted node's one lifeline (a newer one replaces it).
 """
 
 from __future__ import annotations
@@ -9,12 +9,15 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from elastic_mesh.control.lifeline import PATH as LIFELINE
+from elastic_mesh.control.lifeline import REPLACED
 from elastic_mesh.coordinator.config import Refused
 from elastic_mesh.coordinator.core import Coordinator
 
@@ -97,11 +100,54 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._reply(200, coordinator.join(body, peer=self.client_address[0]))
             node = coordinator.authenticate(self.headers.get("X-Prime-Node", ""),
                                             self.headers.get("X-Prime-Session", ""))
+            if self.path == LIFELINE:
+                return self._hold_lifeline(coordinator, node)
             self._reply(200, _ROUTES[self.path](coordinator, node, body))
         except Refused as e:
             self._reply(e.status, {"error": str(e)})
         except (ValueError, KeyError, TypeError) as e:
             self._reply(400, {"error": f"malformed request: {type(e).__name__}: {str(e)[:200]}"})
+
+
+    def _hold_lifeline(self, coordinator: Coordinator, node) -> None:
+        """Answers, then holds the connection until the node's end closes (control/lifeline.py)."""
+        if coordinator.config.lease_only:
+            return self._reply(409, {"error": "this coordinator detects deaths by lease only (--lease-only)"})
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        self.wfile.flush()
+        self.close_connection = True
+        conn, lifelines = self.connection, self.server.lifelines
+        with self.server.lifelines_lock:
+            older = lifelines.get(node.node_id)
+            lifelines[node.node_id] = conn
+        if older is not None:  # one per node: a newer one replaces it (its close is not a death)
+            try:
+                older.sendall(REPLACED)  # its holder stops re-opening it
+            except OSError:
+                pass
+            _close(older)
+        try:
+            conn.settimeout(None)  # it carries nothing: only its close matters
+            while conn.recv(4096):
+                pass
+        except OSError:
+            pass  # a reset is a close too
+        with self.server.lifelines_lock:
+            current = lifelines.get(node.node_id) is conn
+            if current:
+                del lifelines[node.node_id]
+        if current and not self.server.stopping.is_set():  # our own stop closes them all: no deaths
+            with coordinator.lock:
+                coordinator.members.lifeline_closed(node.node_id, node.session_hash)
+
+
+def _close(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _long_poll(coordinator: Coordinator, attempt) -> dict:
@@ -174,6 +220,7 @@ def _store_wait(c: Coordinator, node, body) -> dict:
 
 _ROUTES = {
     "/v1/join": None,
+    LIFELINE: None,  # held open by the handler itself
     "/v1/heartbeat": lambda c, n, b: c.heartbeat(n, b),
     "/v1/leave": lambda c, n, b: c.leave(n),
     "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.rounds.declare_ready(c.state.node(n.node_id), b)),
@@ -182,8 +229,7 @@ _ROUTES = {
     "/v1/will_join": lambda c, n, b: c.rounds.will_join(n, b),
     "/v1/sources": lambda c, n, b: c.rounds.sources(n),
     "/v1/lease": lambda c, n, b: c.lease(n, b),
-    "/v1/wait_commit": lambda c, n, b: _long_poll(c, lambda: (
-        {"committed_round": c.state.committed_round()} if c.state.committed_round() > int(b["after"]) else None)),
+    "/v1/wait_commit": lambda c, n, b: _long_poll(c, lambda: c.rounds.wait_commit(n, b)),
     "/v1/store/get": _store_get,
     "/v1/store/set": _store_set,
     "/v1/store/add": _store_add,
@@ -200,6 +246,9 @@ class CoordinatorServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, coordinator: Coordinator) -> None:
         super().__init__((host, port), _Handler)
         self.coordinator = coordinator
+        self.lifelines: dict[str, socket.socket] = {}  # node_id -> its lifeline connection, held open
+        self.lifelines_lock = threading.Lock()
+        self.stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="coordinator-tick")
         self._stop = threading.Event()
 
@@ -220,5 +269,9 @@ class CoordinatorServer(ThreadingHTTPServer):
 
     def stop(self) -> None:
         self._stop.set()
+        self.stopping.set()
         self.shutdown()
         self.server_close()
+        with self.lifelines_lock:  # the nodes re-open theirs against the next coordinator
+            for conn in self.lifelines.values():
+                _close(conn)

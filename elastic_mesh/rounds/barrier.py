@@ -294,8 +294,20 @@ class RoundBarrier:
             committed = self.state.committed_round()
             holders = [n for n in self.members.live() if n.round == committed and not n.needs_resync
                        and n.node_id != node.node_id and json.loads(n.servers)]
-            behind = [n.name for n in self.members.live() if n.round < committed and n.node_id != node.node_id]
+            others = [n for n in self.members.live() if n.node_id != node.node_id]
+            behind = [n.name for n in others if n.round < committed]
             return {"committed_round": committed, "hashes": self.state.committed_hashes(limit=64),
                     "sources": [{"name": n.name, "servers": json.loads(n.servers)} for n in holders],
-                    "behind": behind}
+                    "behind": behind, "alone": not others}
+
+    def wait_commit(self, node: Node, body: dict) -> dict | None:
+        """Answers once a round after `after` commits, or at once if none can: no other member is live
+        (they finished and left, or died), so nobody else will ever commit one. None: wait on."""
+        committed = self.state.committed_round()
+        if committed > int(body["after"]):
+            return {"committed_round": committed}
+        self.members.expire()
+        if not any(n.node_id != node.node_id for n in self.members.live()):
+            return {"committed_round": committed, "alone": True}
+        return None
 

@@ -63,7 +63,8 @@ class RoundClient:
         return self.leader(lambda: self.client.post("/v1/commit", {"round": number, "state_hash": state_hash}))
 
     def sources(self) -> dict:
-        """The last committed round, its recent hashes, and the peers that hold it (same for all local ranks)."""
+        """The last committed round, its recent hashes, the peers that hold it, the members behind it, and
+        whether this node is alone in the run (same for all local ranks)."""
         answer = self.leader(lambda: self.client.post("/v1/sources", {}))
         answer["hashes"] = {int(k): v for k, v in answer["hashes"].items()}
         return answer
@@ -73,7 +74,8 @@ class RoundClient:
         barrier waits for it (up to the deadline). False if that round's members are fixed already."""
         return self.leader(lambda: self.client.post("/v1/will_join", {"round": number}))["status"] == "ok"
 
-    def wait_commit(self, after: int) -> int:
-        """Blocks until a round after `after` commits; returns the last committed round."""
+    def wait_commit(self, after: int) -> dict:
+        """Blocks until a round after `after` commits, or until none can: {committed_round, alone}, where
+        alone means no other member is live, so this node is the run's only member now."""
         answer = self._long_poll("/v1/wait_commit", {"after": after}, lambda a: "committed_round" in a)
-        return int(answer["committed_round"])
+        return {"committed_round": int(answer["committed_round"]), "alone": bool(answer.get("alone"))}

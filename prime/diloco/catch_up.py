@@ -24,6 +24,10 @@ from prime.diloco.trainer_view import TrainerView
 log = logging.getLogger(__name__)
 
 
+class LeftBehind(RuntimeError):
+    """No other node is in the run any more and none holds the state this node needs: it cannot catch up."""
+
+
 class StateMismatch(RuntimeError):
     """The state a node rebuilt from its peers does not hash to what the coordinator committed."""
 
@@ -64,7 +68,8 @@ class CatchUp:
                     break
                 more_fetched, more_replayed = self._bring_to_newest(full=False)  # the run moved on meanwhile
                 fetched, replayed = fetched + more_fetched, replayed + more_replayed
-            self.mesh.rounds.wait_commit(self.outer_step)
+            if self.mesh.rounds.wait_commit(self.outer_step)["alone"]:
+                log.warning("%s: every other node has left the run; going on as its only member", self.mesh.name)
             more_fetched, more_replayed = self._bring_to_newest(full=False)
             fetched, replayed = fetched + more_fetched, replayed + more_replayed
         self.outer.copy_to(local_shards(self.model))
@@ -115,6 +120,13 @@ class CatchUp:
         while True:
             attempt += 1
             sources = self.mesh.rounds.sources()
+            if sources["alone"]:  # nobody else is live: nothing to fetch, nobody to wait for
+                if not full and sources["committed_round"] == self.outer_step:
+                    return fetched, 0  # it holds the newest state: it goes on as the run's only member
+                raise LeftBehind(
+                    f"{self.mesh.name} cannot catch up: no other node is in the run any more (they finished and "
+                    f"left, or died) and it holds outer step {self.outer_step} of the {sources['committed_round']} "
+                    "committed; resume the run from the nodes' checkpoints (--resume) to go on")
             try:
                 if full or sources["committed_round"] - self.outer_step > self.mesh.config.snapshot_keep:
                     fetched += self._load_snapshot(sources)

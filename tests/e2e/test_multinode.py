@@ -256,3 +256,41 @@ def test_whole_run_stopped_and_resumed_repeats_the_uninterrupted_run(tmp_path, c
     ref_loss, loss = _last_by_step(ref.metrics("node0"), "loss"), _last_by_step(c.metrics("node0"), "loss")
     assert [loss[s] for s in range(21, 41)] == [ref_loss[s] for s in range(21, 41)]
     assert_exactly_once(c, corpus)
+
+
+def test_a_joiner_whose_peers_all_leave_ends_or_goes_on_alone_without_waiting(tmp_path, corpus):
+    """The only other node leaves while a joiner is catching up. Before, the joiner waited for a commit
+    that could never come (up to mesh.barrier_timeout_s, an hour) or retried its fetch for
+    diloco.catch_up_timeout_s. Now it goes on as the run's only member when it holds the newest state,
+    or ends with exit status 4 naming why, within moments either way."""
+    with cluster(tmp_path, corpus, 1, steps=200) as c:
+        c.start_node("node0", ["--chaos.step_delay_s", "0.3"])
+        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
+        c.start_node("late")
+        wait_for(lambda: len(c.status()["nodes"]) == 2, 120, "late to be admitted")
+        c.kill_node("node0", signal.SIGTERM)  # a clean leave, mid catch-up
+        c.wait_nodes(30)  # torchrun ends with a non-zero status on SIGTERM; its node said it leaves first
+        code = c.wait_nodes(120)["late"]  # None: still waiting after 120 s
+        log = c.log("late")
+        assert code in (0, 4), (code, log[-3000:])
+        if code == 4:
+            assert "cannot catch up: no other node is in the run any more" in log, log[-3000:]
+        else:  # it held (or reached) the newest state: it trained on alone to the end of the run
+            assert max(r["step"] for r in c.metrics("late") if "loss" in r) == 200
+
+
+def test_a_joiner_of_a_run_nobody_runs_any_more_ends_at_once_naming_why(tmp_path, corpus):
+    """Every node of the run has left; a new node holds none of its committed state and nobody can
+    serve it: it ends with exit status 4 and the reason, instead of retrying for catch_up_timeout_s."""
+    with cluster(tmp_path, corpus, 1, steps=200) as c:
+        c.start_node("node0", ["--chaos.step_delay_s", "0.2"])
+        wait_for(lambda: len(c.outer_records("node0")) >= 2, 120, "two outer steps")
+        c.kill_node("node0", signal.SIGTERM)
+        c.wait_nodes(30)
+        assert {n["name"]: n["state"] for n in c.status()["nodes"]}["node0"] == "left"
+        started = time.monotonic()
+        c.start_node("late")
+        assert c.wait_nodes(60)["late"] not in (0, None), c.log("late")[-3000:]
+        log = c.log("late")  # torchrun exits 1 for any failed rank and names the rank's own status
+        assert "cannot catch up: no other node is in the run any more" in log and "(exitcode: 4)" in log, log[-3000:]
+        assert time.monotonic() - started < 60

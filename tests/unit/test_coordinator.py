@@ -265,3 +265,19 @@ def test_telemetry_is_cleaned_kept_across_restarts_and_shown_per_node(tmp_path):
             assert json.loads(response.read())["records"] == []
     finally:
         server.stop()
+
+
+def test_waiting_for_a_commit_ends_when_no_other_member_is_left(coordinator, tmp_path):
+    """A node catching up waits for the next commit; once every other member has left, none can come,
+    and the wait ends at once with `alone` instead of lasting barrier_timeout_s (an hour)."""
+    a = joined(coordinator, tmp_path, "a")
+    plan = _ready(a, 1)
+    assert _vote(a, plan) == "apply"
+    a.post("/v1/commit", {"round": 1, "state_hash": "h1"})
+    c = joined(coordinator, tmp_path, "c")
+    assert c.post("/v1/wait_commit", {"after": 1}) == {"status": "wait"}  # a is live: a commit may come
+    assert c.post("/v1/sources", {})["alone"] is False
+    a.post("/v1/leave", {})
+    started = time.monotonic()
+    assert c.post("/v1/wait_commit", {"after": 1}) == {"committed_round": 1, "alone": True}
+    assert time.monotonic() - started < 0.5 and c.post("/v1/sources", {})["alone"] is True
