@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from elastic_mesh.control.process_tree import kill_tree
+from elastic_mesh.coordinator.run import make_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,8 @@ class LocalCluster:
         self.coordinator: subprocess.Popen | None = None
         self.nodes: dict[str, subprocess.Popen] = {}
         self.port = 0
-        self.token = ""
+        self.token = ""  # an observer token: the status and the dashboard
+        self.tokens: dict[str, str] = {}  # node name -> its own node token (each contributor its own)
 
     @property
     def state_dir(self) -> Path:
@@ -95,9 +97,13 @@ class LocalCluster:
             time.sleep(0.05)
         self.port = int(address_file.read_text().rsplit(":", 1)[1])
         if not self.token:
-            from elastic_mesh.coordinator.run import make_token
+            self.token = make_token(self.state_dir, ttl_s=7 * 86400, role="observer")
 
-            self.token = make_token(self.state_dir, ttl_s=7 * 86400)
+    def node_token(self, name: str) -> str:
+        """The node's own join token, made once per name (a restarted node presents it again)."""
+        if name not in self.tokens:
+            self.tokens[name] = make_token(self.state_dir, ttl_s=7 * 86400)
+        return self.tokens[name]
 
     def kill_coordinator(self) -> None:
         kill_tree(self.coordinator.pid)
@@ -113,7 +119,7 @@ class LocalCluster:
         pin = ["taskset", "-c", cpus] if cpus else []
         cmd = [*self._prefix(name), *pin, str(Path(sys.executable).parent / "torchrun"), "--standalone",
                f"--nproc-per-node={self.nproc}", "-m", "prime.train", "--config", self.config,
-               "--join", token or self.token, "--name", name, "--run-dir", str(node_dir), *wan_args,
+               "--join", token or self.node_token(name), "--name", name, "--run-dir", str(node_dir), *wan_args,
                *self.overrides, *(extra or [])]
         self.nodes[name] = self.spawn(cmd, f"[{name}]", node_dir / "log")
         return self.nodes[name]

@@ -75,7 +75,7 @@ def main() -> int:
                            echo=True, show_steps=args.show_steps)
     with cluster:
         cluster.start_coordinator(start_nodes=args.nodes - len(late))
-        print(f"coordinator on 127.0.0.1:{cluster.port}; join token: {cluster.token[:24]}...")
+        print(f"coordinator on 127.0.0.1:{cluster.port}; observer token: {cluster.token[:24]}... (each node has its own)")
         print(f"dashboard: http://127.0.0.1:{cluster.port}/#token={cluster.token}")
         started = time.monotonic()
         pending = sorted(range(args.nodes), key=lambda i: late.get(i, 0))

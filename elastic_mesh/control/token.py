@@ -1,7 +1,11 @@
-"""Join tokens: who may join a run. Signed with the run's secret (HMAC-SHA256), with an expiry.
+"""Join tokens: who may join a run, as what, and how many. Signed with the run's secret (HMAC-SHA256).
 
-A token names the coordinator's address and the run, so a node needs nothing else to start. A forged,
-expired or foreign token is refused with a reason that reveals nothing about the run it was tried on.
+A token names the coordinator's address and the run, so a node needs nothing else to start. It has a
+role (`node`: joins as a training node; `worker`: an inference worker; `observer`: reads the status and
+the dashboard only), a cap on the live nodes it may admit at once (1 by default: each contributor gets
+its own, and a leaked one adds one node, not a majority), an expiry and an id by which the operator
+revokes it. A forged, expired or foreign token is refused with a reason that reveals nothing about the
+run it was tried on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 PREFIX = "prime1"
+ROLES = ("node", "worker", "observer")
 
 
 class TokenError(ValueError):
@@ -27,6 +32,8 @@ class JoinToken:
     run_id: str
     expires_at: float  # unix time, judged by the coordinator that made it
     token_id: str
+    role: str = "node"
+    max_nodes: int = 1  # live nodes it may admit at once (tokens made before roles existed: 1 too)
 
 
 def _b64(data: bytes) -> str:
@@ -37,8 +44,13 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def create_token(secret: bytes, coordinator: str, run_id: str, ttl_s: float) -> str:
-    payload = JoinToken(coordinator, run_id, time.time() + ttl_s, secrets.token_hex(8))
+def create_token(secret: bytes, coordinator: str, run_id: str, ttl_s: float, role: str = "node",
+                 max_nodes: int = 1) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes {max_nodes} must be at least 1")
+    payload = JoinToken(coordinator, run_id, time.time() + ttl_s, secrets.token_hex(8), role, max_nodes)
     body = _b64(json.dumps(asdict(payload), sort_keys=True).encode())
     signature = _b64(hmac.new(secret, body.encode(), hashlib.sha256).digest())
     return f"{PREFIX}.{body}.{signature}"
@@ -51,8 +63,11 @@ def read_token(text: str) -> JoinToken:
         if prefix != PREFIX:
             raise ValueError
         fields = json.loads(_unb64(body))
-        return JoinToken(str(fields["coordinator"]), str(fields["run_id"]), float(fields["expires_at"]),
-                         str(fields["token_id"]))
+        token = JoinToken(str(fields["coordinator"]), str(fields["run_id"]), float(fields["expires_at"]),
+                          str(fields["token_id"]), str(fields.get("role", "node")), int(fields.get("max_nodes", 1)))
+        if token.role not in ROLES or token.max_nodes < 1:
+            raise ValueError
+        return token
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError):
         raise TokenError("this is not a prime join token; ask the run's operator for one "
                          "(python -m elastic_mesh.coordinator token create)") from None

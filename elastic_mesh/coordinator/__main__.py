@@ -1,7 +1,9 @@
 """Coordinator command line.
 
     python -m elastic_mesh.coordinator serve --port 29400 --state-dir coord/
-    python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h
+    python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h [--role node] [--max-nodes 1]
+    python -m elastic_mesh.coordinator token list --state-dir coord/
+    python -m elastic_mesh.coordinator token revoke ID --state-dir coord/
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ import re
 import signal
 import sys
 import threading
+import time
 
+from elastic_mesh.control.token import ROLES, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
-from elastic_mesh.coordinator.run import make_token, start_coordinator
+from elastic_mesh.coordinator.run import (
+    list_tokens,
+    make_token,
+    revoke_token,
+    start_coordinator,
+)
 
 
 def _duration(text: str) -> float:
@@ -49,12 +58,40 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--ttl", type=_duration, default=_duration("24h"), help="lifetime, e.g. 30m, 24h (default 24h)")
     create.add_argument("--address", default=None, help="coordinator host:port to put in the token "
                                                          "(default: what the running coordinator advertises)")
+    create.add_argument("--role", choices=ROLES, default="node",
+                        help="node: joins as a training node; worker: an inference worker; observer: reads the "
+                             "status and dashboard only (default node)")
+    create.add_argument("--max-nodes", type=int, default=1,
+                        help="live nodes this token may admit at once (default 1: one token per contributor; "
+                             "a hash backed by several nodes of one token counts once at commit)")
+    revoke = token_sub.add_parser("revoke", help="revoke a token at once: refused from now on, and the nodes "
+                                                 "it admitted are dropped",
+                                  epilog="example: python -m elastic_mesh.coordinator token revoke 3f9a0c1d2e4b5a69 "
+                                         "--state-dir coord/")
+    revoke.add_argument("token_id", help="the id `token create` printed (or `token list` shows)")
+    revoke.add_argument("--state-dir", required=True)
+    listing = token_sub.add_parser("list", help="the run's tokens: id, role, cap, expiry, revoked")
+    listing.add_argument("--state-dir", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [coordinator] %(message)s", datefmt="%H:%M:%S")
 
     if args.command == "token":
         try:
-            print(make_token(args.state_dir, args.ttl, args.address))
+            if args.token_command == "create":
+                text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes)
+                token = read_token(text)
+                print(f"token {token.token_id}: role {token.role}, at most {token.max_nodes} live node(s), "
+                      f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}", file=sys.stderr)
+                print(text)
+            elif args.token_command == "revoke":
+                revoke_token(args.state_dir, args.token_id)
+                print(f"token {args.token_id} revoked; the nodes it admitted are dropped at their next request",
+                      file=sys.stderr)
+            else:
+                for t in list_tokens(args.state_dir):
+                    state = "revoked" if t["revoked_at"] else ("expired" if t["expires_at"] < time.time() else "valid")
+                    print(f"{t['token_id']}  {t['role']:8s}  max {t['max_nodes']:<4d}  "
+                          f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t['expires_at']))}  {state}")
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -31,9 +31,14 @@ class Admission:
     def join(self, body: dict, peer: str = "") -> dict:
         """Admits a node with a valid token; `peer` is the address its request came from."""
         try:
-            verify_token(self.secret, self.run_id, str(body.get("token", "")))
+            token = verify_token(self.secret, self.run_id, str(body.get("token", "")))
         except TokenError as e:
             raise Refused(403, str(e)) from None
+        if self.state.token_revoked(token.token_id):
+            raise Refused(403, f"token {token.token_id} was revoked; ask the run's operator for a new one")
+        if token.role != "node":
+            raise Refused(403, f"this is a{'n' if token.role[0] in 'aeiou' else ''} {token.role} token: it cannot "
+                               "join as a training node; ask the run's operator for a node token")
         name = str(body.get("name", ""))[:64] or "node"
         fingerprint, procs = str(body.get("fingerprint", "")), int(body.get("procs_per_node", 0))
         state_hash, address = str(body.get("state_hash", "")), str(body.get("address", ""))[:256] or peer
@@ -82,12 +87,13 @@ class Admission:
             index = int(self.state.get_meta("next_node_index", "0"))
             self.state.set_meta("next_node_index", index + 1)
             session = secrets.token_hex(24)
+            self._check_cap(token, name)
             taken = {n.name for n in self.state.nodes() if n.state == "active"}
             # A newcomer holds no committed state (round 0 only while nothing has committed yet), a
             # resumed node the round of its saved state.
             node = Node(secrets.token_hex(6), f"{name}-{index}" if name in taken else name,
                         hash_session(session), index, "active", time.time(), restored, state_hash, address,
-                        servers=json.dumps(servers))
+                        servers=json.dumps(servers), token_id=token.token_id)
             self.state.put_node(node)
             self.state.event(f"{node.name} joined at round {committed}" +
                              (f" (resumed from its saved state of round {restored})" if restored else ""))
@@ -98,6 +104,18 @@ class Admission:
                 "run_id": self.run_id, "committed_round": committed, "lease_s": self.config.lease_s,
                 "heartbeat_s": self.config.heartbeat_s, "poll_s": self.config.poll_s,
                 "transfer_key": self.state.get_meta("transfer_key")}
+
+    def _check_cap(self, token, name: str) -> None:
+        """A token admits at most max_nodes live nodes at once. The same token and name again is the same
+        contributor restarted (its old session may not have expired yet): it replaces that session."""
+        live = [n for n in self.members.live() if n.token_id == token.token_id]
+        for old in [n for n in live if n.name == name]:
+            self.members.replaced(old.node_id)
+            live.remove(old)
+        if len(live) >= token.max_nodes:
+            raise Refused(409, f"token {token.token_id} admits at most {token.max_nodes} live node(s) and "
+                               f"{', '.join(n.name for n in live)} hold{'s' if len(live) == 1 else ''} it; give each "
+                               "contributor its own token (token create), or one with --max-nodes")
 
     def _admit_restored(self, restored: int, state_hash: str, committed: int) -> int:
         """A node resumed from its saved state of round `restored`: checks it against the hash the run

@@ -52,11 +52,11 @@ class Coordinator:
         if self.config.public_status:
             return True
         if authorization.startswith("Bearer "):
-            try:
-                verify_token(self.secret, self.run_id, authorization[7:])
-                return True
+            try:  # any role may read the status (an observer token is made for it), unless revoked
+                token = verify_token(self.secret, self.run_id, authorization[7:])
             except TokenError:
                 return False
+            return not self.state.token_revoked(token.token_id)
         node = self.state.node(node_id) if node_id else None
         return node is not None and hmac.compare_digest(node.session_hash, hash_session(session or ""))
 

@@ -6,7 +6,7 @@ import os
 import secrets
 from pathlib import Path
 
-from elastic_mesh.control.token import create_token
+from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.core import Coordinator
 from elastic_mesh.coordinator.server import CoordinatorServer
@@ -50,7 +50,9 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
     return server
 
 
-def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None) -> str:
+def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, role: str = "node",
+               max_nodes: int = 1) -> str:
+    """A new join token of this run, recorded in its state (so it can be listed and revoked)."""
     state_dir = Path(state_dir)
     if not (state_dir / "secret").exists():
         raise FileNotFoundError(f"{state_dir} holds no run; start the coordinator with --state-dir {state_dir} first")
@@ -59,4 +61,21 @@ def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None) 
     address = address or ((state_dir / "address").read_text().strip() if (state_dir / "address").exists() else None)
     if not run_id or not address:
         raise ValueError(f"the coordinator of {state_dir} has never started; start it, or pass --address HOST:PORT")
-    return create_token(_secret(state_dir), address, run_id, ttl_s)
+    text = create_token(_secret(state_dir), address, run_id, ttl_s, role, max_nodes)
+    token = read_token(text)
+    with state.transaction():
+        state.put_token(token.token_id, token.role, token.max_nodes, token.expires_at)
+    return text
+
+
+def revoke_token(state_dir: str | Path, token_id: str) -> None:
+    """Revokes a token of this run at once: the coordinator refuses it from its next request on, and
+    ends the sessions of the nodes it admitted (they are told so with their next heartbeat)."""
+    state = CoordinatorState(Path(state_dir) / "coordinator.sqlite")
+    with state.transaction():
+        if not state.revoke_token(token_id):
+            raise ValueError(f"no token {token_id!r} in this run; `token list` shows them")
+
+
+def list_tokens(state_dir: str | Path) -> list[dict]:
+    return CoordinatorState(Path(state_dir) / "coordinator.sqlite").tokens()

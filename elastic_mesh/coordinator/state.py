@@ -18,7 +18,9 @@ CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, name TEXT NOT NULL, session_hash TEXT NOT NULL, node_index INTEGER NOT NULL,
     state TEXT NOT NULL, joined_at REAL NOT NULL, round INTEGER NOT NULL, state_hash TEXT NOT NULL,
     address TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0,
-    needs_resync INTEGER NOT NULL DEFAULT 0, servers TEXT NOT NULL DEFAULT '[]');
+    needs_resync INTEGER NOT NULL DEFAULT 0, servers TEXT NOT NULL DEFAULT '[]', token_id TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS tokens (token_id TEXT PRIMARY KEY, role TEXT NOT NULL, max_nodes INTEGER NOT NULL,
+    expires_at REAL NOT NULL, created_at REAL NOT NULL, revoked_at REAL);
 CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, epoch INTEGER NOT NULL, members TEXT NOT NULL,
     decision TEXT NOT NULL, state_hash TEXT, decided_at REAL NOT NULL, allreduce_s REAL,
@@ -52,6 +54,7 @@ class Node:
     refused: int = 0
     needs_resync: int = 0
     servers: str = "[]"  # JSON list of host:port, the transfer server of each local rank
+    token_id: str = ""  # the join token that admitted it (its cap, its vote, its revocation)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class CoordinatorState:
         return Node(*row) if row else None
 
     def put_node(self, node: Node) -> None:
-        self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 13)})",
+        self.db.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES ({','.join('?' * 14)})",
                         tuple(node.__dict__.values()))
 
     # rounds
@@ -174,6 +177,25 @@ class CoordinatorState:
             if key.startswith("e") and key[1:].split("/", 1)[0].isdigit() and int(key[1:].split("/", 1)[0]) < epoch:
                 self.db.execute("DELETE FROM store WHERE key = ?", (key,))
 
+    # tokens (made by `token create`, revoked by `token revoke`; both may run while the coordinator does)
+    def put_token(self, token_id: str, role: str, max_nodes: int, expires_at: float) -> None:
+        self.db.execute("INSERT OR IGNORE INTO tokens VALUES (?, ?, ?, ?, ?, NULL)",
+                        (token_id, role, max_nodes, expires_at, time.time()))
+
+    def revoke_token(self, token_id: str) -> bool:
+        """Marks a known token revoked; False if no token of this run has that id."""
+        return self.db.execute("UPDATE tokens SET revoked_at = COALESCE(revoked_at, ?) WHERE token_id = ?",
+                               (time.time(), token_id)).rowcount > 0
+
+    def token_revoked(self, token_id: str) -> bool:
+        row = self.db.execute("SELECT revoked_at FROM tokens WHERE token_id = ?", (token_id,)).fetchone()
+        return row is not None and row[0] is not None
+
+    def tokens(self) -> list[dict]:
+        rows = self.db.execute("SELECT token_id, role, max_nodes, expires_at, created_at, revoked_at FROM tokens "
+                               "ORDER BY created_at").fetchall()
+        return [dict(zip(("token_id", "role", "max_nodes", "expires_at", "created_at", "revoked_at"), r)) for r in rows]
+
     # events
     def event(self, text: str) -> None:
         self.db.execute("INSERT INTO events (time, text) VALUES (?, ?)", (time.time(), text))
@@ -203,7 +225,7 @@ def _decision(row) -> RoundDecision:
 
 
 _NODE_COLUMNS = ("node_id, name, session_hash, node_index, state, joined_at, round, state_hash, address, "
-                 "contributions, refused, needs_resync, servers")
+                 "contributions, refused, needs_resync, servers, token_id")
 
 
 class _Transaction:

@@ -239,9 +239,13 @@ class RoundBarrier:
             self.state.put_node(node)
             hashes = self.state.commits(number)
             members = {m["node_id"]: m for m in applied[-1].members}
-            counts: dict[str, int] = defaultdict(int)
-            for h in hashes.values():
-                counts[h] += 1
+            # One vote per token: nodes admitted through one token back a hash once, so a leaked
+            # token's extra nodes cannot outvote the honest ones and send them to resync.
+            backers: dict[str, set[str]] = defaultdict(set)
+            for nid, h in hashes.items():
+                backer = self.state.node(nid)
+                backers[h].add(backer.token_id or nid)
+            counts = {h: len(b) for h, b in backers.items()}
             majority = max(counts, key=lambda h: (counts[h], -min(
                 self.state.node(n).node_index for n, x in hashes.items() if x == h)))
             if state_hash == majority and node.round < number:

@@ -84,7 +84,7 @@ def main() -> int:
         try:
             address = f"{wan.address('coordinator')}:{cluster.port}"
             out = subprocess.run([*wan.exec_prefix("node0"), sys.executable, __file__, "--node", address,
-                                  cluster.token, str(args.requests)], cwd=REPO, env=child_env(),
+                                  cluster.node_token("node0"), str(args.requests)], cwd=REPO, env=child_env(),
                                  capture_output=True, text=True, timeout=600)
             if out.returncode:
                 print(out.stderr[-2000:], file=sys.stderr)
