@@ -55,6 +55,9 @@ def trial(sources: int, args, corpus: Path) -> dict:
             c.start_node("joiner", cpus="1")
             caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
             first = wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step")
+            # Its first two rounds as a member: the loss right after joining, against the others'.
+            wait_for(lambda: len(c.outer_records("joiner")) >= 2, 600, "the joiner's second outer step")
+            joiner_loss = {r["step"]: r["loss"] for r in c.metrics("joiner") if "loss" in r}
             catch_ups = [r for r in c.metrics("joiner") if "caught_up_to" in r]
             log = c.log("joiner")
             steps = [r for r in c.metrics(names[0]) if "loss" in r]
@@ -68,7 +71,12 @@ def trial(sources: int, args, corpus: Path) -> dict:
     during = [r["tokens_per_s"] for r in steps if admitted <= r["time"] <= caught["time"]]
     before = [r["tokens_per_s"] for r in steps if admitted - span <= r["time"] < admitted]
     first_step = min(first)
-    return {"sources": sources, "backend": backend, "snapshot_mb": bytes_ / 1e6, "download_s": caught["download_s"],
+    others_loss = {r["step"]: r["loss"] for r in steps}
+    window = [s for s in sorted(joiner_loss) if s in others_loss][:20]  # two rounds of H=10 inner steps
+    loss_ratio = (statistics.mean(joiner_loss[s] for s in window) / statistics.mean(others_loss[s] for s in window)
+                  if window else float("nan"))
+    return {"loss_ratio": loss_ratio, "moments_step": caught.get("moments_step"),
+            "snapshot_step": caught["caught_up_to"] - caught["replayed"],"sources": sources, "backend": backend, "snapshot_mb": bytes_ / 1e6, "download_s": caught["download_s"],
             "ideal_download_s": ideal_download, "catch_up_s": caught["catch_up_s"],
             "first_contribution_s": first[first_step]["time"] - admitted, "replayed": caught["replayed"],
             # Each step between its first catch-up and its first contribution is one it was left out of.
@@ -109,12 +117,15 @@ def main() -> int:
           f"{args.latency_ms:g} ms one way, mode {args.mode} (backend {rows[0]['backend']})")
     print(f"{'sources':>7} {'snapshot MB':>11} {'download s':>10} {'at link rate s':>14} {'catch-up s':>10} "
           f"{'first contribution s':>20} {'replayed':>8} {'left out':>8} {'catch-ups':>9} "
-          f"{'others tok/s during/before':>26}")
+          f"{'others tok/s during/before':>26} {'moments/snapshot step':>21} {'loss after join / others':>24}")
     for r in rows:
         print(f"{r['sources']:>7} {r['snapshot_mb']:>11.1f} {r['download_s']:>10.2f} {r['ideal_download_s']:>14.2f} "
               f"{r['catch_up_s']:>10.2f} {r['first_contribution_s']:>20.1f} {r['replayed']:>8} "
-              f"{r['left_out']:>8} {r['catch_ups']:>9} {r['others_ratio']:>26.3f}")
-    print("catch-up = download + wait for the round in flight to commit + replay; times from the joiner's admission")
+              f"{r['left_out']:>8} {r['catch_ups']:>9} {r['others_ratio']:>26.3f} "
+              f"{str(r['moments_step']) + '/' + str(r['snapshot_step']):>21} {r['loss_ratio']:>24.3f}")
+    print("catch-up = download + wait for the round in flight to commit + replay; times from the joiner's admission; "
+          "loss after join: the joiner's mean loss over its first 20 inner steps as a member / a source's at the same "
+          "steps")
     return 0
 
 

@@ -47,7 +47,7 @@ class CatchUp:
                  work_dir: Path) -> None:
         self.model, self.mesh, self.config, self.outer, self.work_dir = model, mesh, config, outer, work_dir
         self.outer_step = 0
-        self.snapshot_fetched = 0  # the outer step of the last whole snapshot fetched (its moments go with it)
+        self.moments_step: int | None = None  # the outer step whose peers' AdamW moments the last catch-up took
         self._download_s = 0.0  # time spent fetching whole snapshots in the current catch-up
 
     def run(self, trainer: TrainerView, full: bool) -> dict:
@@ -59,6 +59,7 @@ class CatchUp:
         fetched, replayed = self._bring_to_newest(full)
         # A node that had to take a whole snapshot holds no inner state worth keeping: it takes a peer's
         # moments of the same step, while the round in flight still runs.
+        self.moments_step = None
         inner_bytes = self._take_inner_state(trainer) if fetched and self.config.take_peer_moments else 0
         if self.outer_step * self.config.sync_period < trainer.config.train.max_steps:
             # Back for the step after the one in flight: its barrier waits for this node's replay of
@@ -82,34 +83,50 @@ class CatchUp:
                               f"{fetched / 1e6:.1f} MB of snapshot, {inner_bytes / 1e6:.1f} MB of a peer's AdamW "
                               f"moments, {replayed} update(s) replayed, hash {model_hash}")
         return {"caught_up_to": self.outer_step, "snapshot_bytes": fetched, "inner_state_bytes": inner_bytes,
+                "moments_step": self.moments_step,
                 "replayed": replayed,
                 "catch_up_s": round(elapsed, 3), "download_s": round(download_s, 3), "model_hash": model_hash,
                 "step": trainer.step}
 
     def _take_inner_state(self, trainer: TrainerView) -> int:
-        """Peers' AdamW moments after the snapshot's step (a publisher may still be writing them: a few
-        tries); without them the node goes on with fresh moments, which costs loss, never correctness."""
+        """Peers' AdamW moments matching the state this node now holds: those published with the newest
+        whole snapshot at or before its outer step (it may have replayed updates past the snapshot it
+        fetched, and peers keep the moments of their last two whole snapshots only). A publisher may still
+        be writing them: a few tries; then the newest moments any peer holds, a step or two off. Without
+        any the node goes on with fresh moments, which costs loss, never correctness; the log says why."""
         work_dir = self.work_dir / f"rank{self.mesh.local_rank}"
+        matching = whole_snapshot_step(self.outer_step, self.config.fragment_count)
+        error: Exception | None = None
         for attempt in range(5):
             sources = self.mesh.rounds.sources()
+            wanted = matching if attempt < 3 else None  # None: the newest any source holds
+
             def fetch_and_load() -> int:
                 # Moments differ between peers; any peer's are a fair estimate, so each chunk may come
                 # from a different one (mixed) and the download uses every source's uplink.
-                _, tensors, report = self.mesh.fetch(sources, "inner", self.snapshot_fetched, work_dir, mixed=True)
+                _, tensors, report = self.mesh.fetch(sources, "inner", wanted, work_dir, mixed=True)
                 betas = trainer.optimizer.param_groups[0].get("betas")  # none: SGD, which keeps no moments
                 bounded = bound_first_moment(tensors, betas) if betas else 0
                 if bounded:
                     log.info("%s: %d of %d first moments bounded (taken from another peer than their second "
                              "moments)", self.mesh.name, bounded, tensors["exp_avg"].numel())
                 load_adam_state(trainer.optimizer, list(self.model.parameters()), tensors)
+                self.moments_step = report.version
                 return report.total_bytes
             try:
-                return self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
+                taken = self._agreed(fetch_and_load)  # every local rank loads its shard's moments, or none does
             except TransferError as e:
                 error = e
                 time.sleep(0.5 * (attempt + 1))
+                continue
+            if self.moments_step != matching:
+                log.warning("%s: no peer holds the AdamW moments of outer step %d any more; took those of step "
+                            "%d for the state of step %d", self.mesh.name, matching, self.moments_step,
+                            self.outer_step)
+            return taken
         log.warning("%s: no peer's AdamW moments for outer step %d (%s); going on with fresh ones", self.mesh.name,
-                    self.outer_step, str(error)[:200])
+                    matching, str(error)[:200])
+        self.moments_step = None
         return 0
 
     def _bring_to_newest(self, full: bool) -> tuple[int, int]:
@@ -159,7 +176,7 @@ class CatchUp:
         manifest, tensors, report = self._agreed(
             lambda: self.mesh.fetch(sources, "snapshot", step, self.work_dir / f"rank{self.mesh.local_rank}"))
         self.outer.load_state_tensor(tensors["state"])
-        self.outer_step = self.snapshot_fetched = step
+        self.outer_step = step
         self._download_s += report.seconds
         self._check_hash(step, sources)
         log.info("%s: snapshot of outer step %d fetched: %.1f MB in %.1f s from %s", self.mesh.name, step,

@@ -158,6 +158,8 @@ def test_a_node_joins_a_running_job(tmp_path, corpus):
     # its first round is a full member's: its stale weights never entered an average.
     assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0 and caught[0]["replayed"] >= 1, caught
     assert caught[0]["inner_state_bytes"] > 0, caught  # a peer's AdamW moments, not fresh ones
+    # ... of the step it held when it took them (after its replays), at most the one in flight behind
+    assert caught[0]["caught_up_to"] - 2 <= caught[0]["moments_step"] <= caught[0]["caught_up_to"], caught
     first = min(late)
     assert 3 <= first < 18 and first == caught[0]["caught_up_to"] + 1, (first, caught)
     assert late[first]["members"] == 3
