@@ -109,13 +109,14 @@ class Admission:
         """A token admits at most max_nodes live nodes at once. The same token and name again is the same
         contributor restarted (its old session may not have expired yet): it replaces that session."""
         live = [n for n in self.members.live() if n.token_id == token.token_id]
-        for old in [n for n in live if n.name == name]:
-            self.members.replaced(old.node_id)
-            live.remove(old)
-        if len(live) >= token.max_nodes:
+        others = [n for n in live if n.name != name]
+        if len(others) >= token.max_nodes:  # refused before anything changes (the lease map is not rolled back)
             raise Refused(409, f"token {token.token_id} admits at most {token.max_nodes} live node(s) and "
-                               f"{', '.join(n.name for n in live)} hold{'s' if len(live) == 1 else ''} it; give each "
-                               "contributor its own token (token create), or one with --max-nodes")
+                               f"{', '.join(n.name for n in others)} hold{'s' if len(others) == 1 else ''} it; give "
+                               "each contributor its own token (token create), or one with --max-nodes")
+        for old in live:
+            if old.name == name:
+                self.members.replaced(old.node_id)
 
     def _admit_restored(self, restored: int, state_hash: str, committed: int) -> int:
         """A node resumed from its saved state of round `restored`: checks it against the hash the run
