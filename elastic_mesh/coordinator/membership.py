@@ -44,9 +44,11 @@ class Membership:
         if node.state != "active":
             raise Refused(410, f"{node.name} was declared {node.state}; join again to continue")
         if node.token_id and self.state.token_revoked(node.token_id):  # `token revoke` takes effect here
-            with self.changed:  # its lock: requests are authenticated outside it
-                self.evict(node.node_id, f"its token {node.token_id} was revoked")
+            with self.changed, self.state.transaction():  # its lock: requests are authenticated outside it
+                self.evict(node.node_id)
+                self.state.event(f"{node.name} evicted (its token {node.token_id} was revoked)")
                 self.changed.notify_all()
+            log.warning("%s evicted: its token %s was revoked", node.name, node.token_id)
             raise Refused(410, f"the token that admitted {node.name} was revoked; ask the run's operator for a new one")
         self.heard_from.add(node.node_id)
         return node
@@ -71,21 +73,14 @@ class Membership:
         self.changed.notify_all()
         log.info("%s left", node.name)
 
-    def evict(self, node_id: str, why: str = "") -> None:
-        """The node is out of the run (it sent invalid data: inside the caller's transaction; or `why`,
-        then in a transaction of its own, with an event)."""
+    def evict(self, node_id: str) -> None:
+        """Inside the caller's transaction: the node is out of the run (it sent invalid data, or its
+        token was revoked); its work goes back to the pool."""
         node = self.state.node(node_id)
         node.state = "evicted"
+        self.state.put_node(node)
         self.leases.pop(node_id, None)
-        if not why:
-            self.state.put_node(node)
-            self.work.release(node_id)
-            return
-        with self.state.transaction():
-            self.state.put_node(node)
-            self.work.release(node_id)
-            self.state.event(f"{node.name} evicted ({why})")
-        log.warning("%s evicted: %s", node.name, why)
+        self.work.release(node_id)
 
     def replaced(self, node_id: str) -> None:
         """Inside the caller's transaction: a new session of the same token and name (the contributor
