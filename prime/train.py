@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_mesh.control.client import CoordinatorError
     from elastic_mesh.control.token import TokenError
     from prime.core.distributed import close_local_group, init_local_group
-    from prime.diloco.catch_up import LeftBehind
     from prime.diloco.attach import attach_to_run
+    from prime.diloco.catch_up import LeftBehind
     from prime.pretrain.trainer import Trainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -38,14 +38,17 @@ class Credentials:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, request_timeout_s: float = 30.0, retry_s: float = 120.0) -> None:
+    def __init__(self, address: str, request_timeout_s: float = 30.0, retry_s: float = 120.0,
+                 bearer: str | None = None) -> None:
+        """bearer: a join token sent with every request instead of a session (broadcast members)."""
         self.address, self.request_timeout_s, self.retry_s = address, request_timeout_s, retry_s
+        self.bearer = bearer
         self.credentials: Credentials | None = None
         self._connections = KeptConnections(request_timeout_s)
 
     def _session_headers(self) -> dict[str, str]:
         if not self.credentials:
-            return {}
+            return {"Authorization": f"Bearer {self.bearer}"} if self.bearer else {}
         return {"X-Prime-Node": self.credentials.node_id, "X-Prime-Session": self.credentials.session}
 
     def _answer(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> dict:

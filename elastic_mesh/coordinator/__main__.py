@@ -1,7 +1,7 @@
 """Coordinator command line.
 
     python -m elastic_mesh.coordinator serve --port 29400 --state-dir coord/
-    python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h [--role node] [--max-nodes 1]
+    python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h [--role node] [--max-nodes 1] [--publish]
     python -m elastic_mesh.coordinator token list --state-dir coord/
     python -m elastic_mesh.coordinator token revoke ID --state-dir coord/
 """
@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                              "status and dashboard only (default node)")
     create.add_argument("--max-nodes", type=int, default=1,
                         help="live nodes this token may admit at once (default 1: one token per contributor; "
-                             "a hash backed by several nodes of one token counts once at commit)")
+                             "a hash backed by several nodes of one token counts once at commit); for a worker "
+                             "token, the broadcast members that may serve with it at once")
+    create.add_argument("--publish", action="store_true",
+                        help="may publish broadcast versions (python -m elastic_mesh.broadcast publish); "
+                             "not for observer tokens")
     revoke = token_sub.add_parser("revoke", help="revoke a token at once: refused from now on, and the nodes "
                                                  "it admitted are dropped",
                                   epilog="example: python -m elastic_mesh.coordinator token revoke 3f9a0c1d2e4b5a69 "
@@ -78,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "token":
         try:
             if args.token_command == "create":
-                text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes)
+                text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes,
+                                  args.publish)
                 token = read_token(text)
                 print(f"token {token.token_id}: role {token.role}, at most {token.max_nodes} live node(s), "
-                      f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}", file=sys.stderr)
+                      f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}"
+                      + (", may publish broadcasts" if token.publish else ""), file=sys.stderr)
                 print(text)
             elif args.token_command == "revoke":
                 revoke_token(args.state_dir, args.token_id)

@@ -22,6 +22,10 @@ class CoordinatorConfig(BaseModel):
     public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
                                 "(Authorization: Bearer TOKEN) or a node's session.")
     max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")
+    broadcast_keep: int = Field(4, ge=1, description="Broadcast versions of each kind the coordinator keeps "
+                                "(signed manifests and holders); older ones are forgotten.")
+    holder_ttl_s: float = Field(10.0, gt=0, description="A broadcast holder that has not renewed its `have` for "
+                                "this long is no longer named as a source.")
     lease_only: bool = Field(False, description="Declare a node dead only when its lease runs out. By default "
                              "a node is also declared dead as soon as its lifeline connection closes without a "
                              "leave (the kernel closes a killed process's connections at once); silence (a "

@@ -3,7 +3,8 @@
 - Membership (membership.py): sessions, heartbeats, liveness leases;
 - Admission (admission.py): tokens and the checks that a node fits the run;
 - RoundBarrier (rounds/barrier.py): who takes part in each round, votes, commits;
-- WorkLedgers (leases.py): exactly-once leases of work items of any kind.
+- WorkLedgers (leases.py): exactly-once leases of work items of any kind;
+- Broadcasts (broadcasts.py): signed versions of broadcast payloads and who holds their chunks.
 
 All of them are called from HTTP handler threads under one lock; long-polls wait on its condition.
 """
@@ -16,8 +17,10 @@ import secrets
 import threading
 import time
 
-from elastic_mesh.control.token import TokenError, verify_token
+from elastic_mesh.control.signing import RunSigner
+from elastic_mesh.control.token import JoinToken, TokenError, verify_token
 from elastic_mesh.coordinator.admission import Admission
+from elastic_mesh.coordinator.broadcasts import Broadcasts
 from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
 from elastic_mesh.coordinator.leases import LedgerError, WorkLedgers
 from elastic_mesh.coordinator.membership import Membership, hash_session
@@ -30,8 +33,9 @@ log = logging.getLogger(__name__)
 
 class Coordinator:
     def __init__(self, state: CoordinatorState, secret: bytes, run_id: str, config: CoordinatorConfig,
-                 address: str) -> None:
+                 address: str, signer: RunSigner) -> None:
         self.state, self.secret, self.run_id, self.config, self.address = state, secret, run_id, config, address
+        self.signer = signer
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
@@ -39,15 +43,39 @@ class Coordinator:
         self.work = WorkLedgers(state.db)
         with self.state.transaction():
             self.state.set_meta("run_id", run_id)
-            if self.state.get_meta("transfer_key") is None:
-                # Admitted nodes present it to each other to fetch state; tokens never leave the coordinator.
-                self.state.set_meta("transfer_key", secrets.token_hex(24))
+            for key in ("transfer_key", "broadcast_key"):
+                if self.state.get_meta(key) is None:
+                    # Admitted nodes (broadcast members) present it to each other's chunk servers; tokens
+                    # never leave the coordinator. Two keys: a worker fetching broadcasts cannot read
+                    # the training nodes' snapshots.
+                    self.state.set_meta(key, secrets.token_hex(24))
             if self.state.nodes():
                 self.state.event("coordinator restarted; nodes keep their sessions")
         self.members = Membership(state, config, self.work, self.changed)
         self.admission = Admission(state, secret, run_id, config, self.members, self.work, self.lock)
         self.rounds = RoundBarrier(state, config, self.members, self.lock, self.changed)
+        self.broadcasts = Broadcasts(state, signer, run_id, self.lock, self.changed, config.broadcast_keep,
+                                     config.holder_ttl_s)
 
+    def authorize(self, authorization: str, action: str) -> JoinToken:
+        """The token of a request that carries one (Authorization: Bearer TOKEN), checked now: signature,
+        run, expiry, revocation. Broadcast members use it instead of a session: they are not nodes."""
+        if not authorization.startswith("Bearer "):
+            raise Refused(401, f"{action} needs a join token (Authorization: Bearer TOKEN)")
+        try:
+            token = verify_token(self.secret, self.run_id, authorization[7:])
+        except TokenError as e:
+            raise Refused(403, str(e)) from None
+        if self.state.token_revoked(token.token_id):
+            raise Refused(403, f"token {token.token_id} was revoked; ask the run's operator for a new one")
+        if token.role == "observer":
+            raise Refused(403, f"an observer token reads the status only; {action} needs a node or worker token")
+        return token
+
+    def broadcast_hello(self, token: JoinToken) -> dict:
+        return {"status": "ok", "run_id": self.run_id, "public_key": self.signer.public_hex,
+                "broadcast_key": self.state.get_meta("broadcast_key"), "holder_ttl_s": self.config.holder_ttl_s,
+                "publish": token.publish}
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
         if self.config.public_status:
             return True
@@ -123,5 +151,6 @@ class Coordinator:
                            "state_hash": n.state_hash,
                            **self.telemetry.node_summary(n.node_id, now)} for n in self.state.nodes()],
                 "rounds": self.state.round_summaries(),
+                "broadcast": self.broadcasts.summary(),
                 "events": self.state.events(),
             }

@@ -6,6 +6,7 @@ import os
 import secrets
 from pathlib import Path
 
+from elastic_mesh.control.signing import RunSigner
 from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.core import Coordinator
@@ -20,6 +21,11 @@ def _secret(state_dir: Path) -> bytes:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
     return bytes.fromhex(path.read_text().strip())
+
+
+def run_signer(state_dir: Path) -> RunSigner:
+    """The run's signing key (made on first use); join tokens carry its fingerprint."""
+    return RunSigner.load_or_create(Path(state_dir) / "signing_key.pem")
 
 
 def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
@@ -41,7 +47,8 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
         # production passes --advertise, the single-machine default is loopback.
         visible = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
         advertise = f"{visible}:{server.port}"
-    server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise)
+    server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise,
+                                     run_signer(state_dir))
     # Atomically: launchers poll for this file and must never read it half-written.
     staging = state_dir / "address.tmp"
     staging.write_text(advertise)
@@ -51,7 +58,7 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
 
 
 def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, role: str = "node",
-               max_nodes: int = 1) -> str:
+               max_nodes: int = 1, publish: bool = False) -> str:
     """A new join token of this run, recorded in its state (so it can be listed and revoked)."""
     state_dir = Path(state_dir)
     if not (state_dir / "secret").exists():
@@ -61,7 +68,8 @@ def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, 
     address = address or ((state_dir / "address").read_text().strip() if (state_dir / "address").exists() else None)
     if not run_id or not address:
         raise ValueError(f"the coordinator of {state_dir} has never started; start it, or pass --address HOST:PORT")
-    text = create_token(_secret(state_dir), address, run_id, ttl_s, role, max_nodes)
+    text = create_token(_secret(state_dir), address, run_id, ttl_s, role, max_nodes, publish,
+                        run_signer(state_dir).fingerprint)
     token = read_token(text)
     with state.transaction():
         state.put_token(token.token_id, token.role, token.max_nodes, token.expires_at)

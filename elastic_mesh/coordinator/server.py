@@ -98,6 +98,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
             if self.path == "/v1/join":
                 return self._reply(200, coordinator.join(body, peer=self.client_address[0]))
+            if self.path.startswith(BROADCAST):
+                token = coordinator.authorize(self.headers.get("Authorization", ""), "broadcast")
+                return self._reply(200, _BROADCAST_ROUTES[self.path](coordinator, token, body, self.client_address[0]))
             node = coordinator.authenticate(self.headers.get("X-Prime-Node", ""),
                                             self.headers.get("X-Prime-Session", ""))
             if self.path == LIFELINE:
@@ -236,6 +239,21 @@ _ROUTES = {
     "/v1/store/check": _store_check,
     "/v1/store/wait": _store_wait,
 }
+
+
+BROADCAST = "/v1/broadcast/"
+# Broadcast members authenticate with their token on every request (they hold no session): (coordinator,
+# token, body, peer address) -> answer.
+_BROADCAST_ROUTES = {
+    BROADCAST + "hello": lambda c, t, b, p: c.broadcast_hello(t),
+    BROADCAST + "publish": lambda c, t, b, p: c.broadcasts.publish(t, b, p),
+    BROADCAST + "wait": lambda c, t, b, p: _long_poll(c, lambda: c.broadcasts.wait_answer(b)),
+    BROADCAST + "manifest": lambda c, t, b, p: c.broadcasts.manifest(b),
+    BROADCAST + "have": lambda c, t, b, p: c.broadcasts.have(t, b, p),
+    BROADCAST + "holders": lambda c, t, b, p: c.broadcasts.holders(b),
+    BROADCAST + "report": lambda c, t, b, p: c.broadcasts.report(t, b),
+}
+_ROUTES.update(dict.fromkeys(_BROADCAST_ROUTES))
 
 
 class CoordinatorServer(ThreadingHTTPServer):

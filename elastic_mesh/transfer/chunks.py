@@ -23,6 +23,10 @@ class TransferError(RuntimeError):
     """Chunks could not be served or fetched; the message says which chunk or source and why."""
 
 
+class SourceBusy(TransferError):
+    """The source's upload slots are all taken (HTTP 503): not a failure; ask elsewhere or later."""
+
+
 @dataclass
 class Chunked:
     """One version of something, laid out: its manifest and the bytes the manifest describes."""
@@ -87,6 +91,52 @@ class Deferred:
                 built = lay_out(self.version, tensors, meta, chunk_bytes)
                 self._built, self._args = transform(built) if transform else built, None  # the copies go
             return self._built
+
+
+def root_hash(chunks: list[dict]) -> str:
+    """One hash over every chunk's hash, in order: names a version's bytes in one line (logs, dashboard)."""
+    return hashlib.sha256("".join(c["sha256"] for c in chunks).encode()).hexdigest()
+
+
+_HEX = frozenset("0123456789abcdef")
+MAX_CHUNKS = 1 << 20
+
+
+def check_manifest(manifest: object) -> dict:
+    """A manifest from someone else, checked for shape before any of it is used: a chunk list that adds
+    up to total_bytes in chunk_bytes pieces, sha256 hex digests, tensors of known dtypes whose bytes lie
+    inside the blob. Raises TransferError naming the first fault."""
+    def fail(why: str):
+        raise TransferError(f"malformed manifest: {why}")
+    if not isinstance(manifest, dict):
+        fail("not a JSON object")
+    try:
+        version, size, total = int(manifest["version"]), int(manifest["chunk_bytes"]), int(manifest["total_bytes"])
+        chunks, tensors = manifest["chunks"], manifest["tensors"]
+    except (KeyError, TypeError, ValueError) as e:
+        fail(f"missing or non-integer field ({e})")
+    if version < 0 or size < 1 or total < 0 or not isinstance(chunks, list) or not isinstance(tensors, list):
+        fail("negative version or sizes, or chunks/tensors not lists")
+    if len(chunks) > MAX_CHUNKS or len(chunks) != -(-total // size):
+        fail(f"{len(chunks)} chunks cannot hold {total} bytes in chunks of {size}")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or chunk.get("size") != min(size, total - i * size):
+            fail(f"chunk {i} has the wrong size")
+        digest = chunk.get("sha256")
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+            fail(f"chunk {i} has no sha256 hex digest")
+    for entry in tensors:
+        try:
+            dtype, offset, nbytes = DTYPES[entry["dtype"]], int(entry["offset"]), int(entry["nbytes"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            str(entry["name"])
+        except (KeyError, TypeError, ValueError):
+            fail(f"tensor entry {str(entry)[:80]} lacks a name, a known dtype, a shape, an offset or nbytes")
+        if offset < 0 or offset + nbytes > total or nbytes != count * dtype.itemsize:
+            fail(f"tensor {entry['name']!r} does not lie inside the payload or its size does not match its shape")
+    return manifest
 
 
 def tensors_from(manifest: dict, blob: bytes | bytearray) -> dict[str, torch.Tensor]:

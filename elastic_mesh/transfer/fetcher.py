@@ -1,28 +1,36 @@
-"""Fetches one version of a kind from several sources at once, checking every chunk.
+"""Fetches one version of a kind from several sources at once, checking every chunk: the one download
+engine of elastic_mesh, for a joiner's snapshot from its peers and for a broadcast from a swarm.
 
 Each chunk is checked against the manifest before it is kept; a bad or missing chunk is taken from
 another source, and a source that fails or lies too often is dropped for the rest of the download.
-Verified chunks stay on disk, so a restarted download resumes instead of starting over. Nothing is
-unpickled: the manifest is JSON, the tensors raw bytes. Requests carry the run's transfer key.
+Sources are chosen by measured throughput (sources.py), chunks rarest first among the holders, and
+the last chunks in flight are asked of a second source too (whichever answers first wins), so one
+slow source cannot hold up the end. Verified chunks stay on disk (chunk_dir.py), so a restarted
+download resumes instead of starting over. Nothing is unpickled: the manifest is JSON, the tensors
+raw bytes. Requests carry the run's transfer key.
 """
 
 from __future__ import annotations
 
-import hashlib
+import base64
 import http.client
 import json
 import logging
-import queue
+import random
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from elastic_mesh.control.kept_connections import KeptConnections
-from elastic_mesh.transfer.chunks import TransferError, layout_of, tensors_from
+from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
+from elastic_mesh.transfer.chunks import SourceBusy, TransferError, layout_of
 from elastic_mesh.transfer.server import KEY_HEADER
+from elastic_mesh.transfer.sources import SourcePicker
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,25 @@ class FetchReport:
     seconds: float = 0.0
 
 
+def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
+    """One GET with the transfer key. With `conns` (a download stream's own connections) the connection
+    to each source is kept open between chunks: a new TCP connection per chunk restarts slow start every
+    time, which costs most on the long, fat links state crosses."""
+    kept = conns or KeptConnections(timeout_s)
+    try:
+        status, body = kept.request(source, "GET", path, headers={KEY_HEADER: key})
+    except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
+        raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
+    finally:
+        if conns is None:
+            kept.close()
+    if status == 503:
+        raise SourceBusy(f"{source}: busy")
+    if status != 200:
+        raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
+    return body
+
+
 class ChunkFetcher:
     """Fetches one version of a kind from several sources at once into work_dir (verified chunk files)."""
 
@@ -51,20 +78,7 @@ class ChunkFetcher:
         self.max_failures = max_failures_per_source
 
     def _get(self, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
-        """One GET. With `conns` (a download stream's own connections) the connection to each source is
-        kept open between chunks: a new TCP connection per 4 MiB chunk restarts slow start every time,
-        which costs most on the long, fat links state crosses."""
-        kept = conns or KeptConnections(self.timeout_s)
-        try:
-            status, body = kept.request(source, "GET", path, headers={KEY_HEADER: self.key})
-        except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
-            raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
-        finally:
-            if conns is None:
-                kept.close()
-        if status != 200:
-            raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
-        return body
+        return get_chunk(self.key, self.timeout_s, source, path, conns)
 
     def manifests(self, kind: str, version: int | None) -> dict[str, dict]:
         """The manifest each reachable source holds for `version` (or its latest)."""
@@ -101,88 +115,175 @@ class ChunkFetcher:
             if other != content:
                 log.warning("%s %d: %s disagree with the majority's manifest; not used", kind, version, ", ".join(who))
         manifest = manifests[sources[0]]
-        hashes = {s: [c["sha256"] for c in manifests[s]["chunks"]] for s in sources}
+        expected = [{manifests[s]["chunks"][i]["sha256"] for s in sources} for i in range(len(manifest["chunks"]))]
+        target = ChunkDir(self.work_dir / f"{kind}_{version:08d}", manifest, expected)
         report = FetchReport(version, manifest["total_bytes"], len(manifest["chunks"]))
-        directory = self.work_dir / f"{kind}_{version:08d}"
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "manifest.json").write_text(json.dumps(manifest))
-        pending = queue.Queue()
-        for index in range(len(manifest["chunks"])):
-            path = directory / f"chunk_{index:06d}"
-            if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() in {h[index] for h in hashes.values()}:
-                report.resumed_chunks += 1
-            else:
-                pending.put((index, frozenset()))
-        self._download(manifest, hashes, kind, directory, pending, sources, report)
-        blob = bytearray()
-        for index in range(len(manifest["chunks"])):
-            blob += (directory / f"chunk_{index:06d}").read_bytes()
+        report.resumed_chunks = target.resume()
+        everything = {s: None for s in sources}
+        download(self._get, target, kind, lambda: everything,
+                 SourcePicker(self.streams, self.max_failures), report, streams=self.streams * len(sources))
         report.seconds = time.monotonic() - started
-        return manifest, tensors_from(manifest, blob), report
+        return manifest, target.tensors(), report
 
-    def _download(self, manifest: dict, hashes: dict[str, list[str]], kind: str, directory: Path,
-                  pending: queue.Queue, sources: list[str], report: FetchReport) -> None:
-        lock = threading.Lock()
-        failures = {s: 0 for s in sources}
-        errors: list[str] = []
-        remaining = [pending.qsize()]
-        turn = [0]
 
-        def usable(excluded: frozenset) -> list[str]:
-            return [s for s in sources if failures[s] < self.max_failures and s not in excluded]
+def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir, kind: str,
+             holders: Callable[[], dict[str, bytes | None]], picker: SourcePicker, report: FetchReport,
+             streams: int, stall_s: float = 0.0, on_verified: Callable[[int], None] | None = None,
+             on_bad: Callable[[str, int, str], None] | None = None, timeout_s: float = 30.0,
+             seed: int | None = None, seeders: Callable[[], set[str]] | None = None) -> None:
+    """Fetches every chunk `target` lacks, `streams` at a time, until it is complete.
 
-        def worker() -> None:
-            conns = KeptConnections(self.timeout_s)
-            try:
-                fetch_chunks(conns)
-            finally:
-                conns.close()
+    holders(): source -> bitmap of the chunks it holds (None: all), asked again before every choice (the
+    caller caches it). A chunk goes to the source `picker` prefers among its holders, rarest chunks
+    first; a failed or bad chunk is asked elsewhere. Gives up (TransferError) when some missing chunk has
+    no usable holder, nothing is in flight, and `stall_s` has passed without progress (0: at once).
+    on_verified(index) runs after each chunk is stored; on_bad(source, index, why) after a bad one.
+    seeders(): sources asked only for chunks that no other source holds (a broadcast's origin: its uplink
+    must carry each chunk about once, and the members pass it on)."""
+    n = target.chunks
+    rng = random.Random(seed)
+    cond = threading.Condition()
+    in_flight: dict[int, set[str]] = {}
+    excluded: dict[int, set[str]] = {}  # chunk -> sources that failed it or sent bad bytes
+    errors: list[str] = []
+    last_progress = [time.monotonic()]
+    seeding = [0]  # seeded requests in flight (their chunk is known only when they answer)
+    order = list(range(n))
+    rng.shuffle(order)  # ties in rarity broken differently by every member, so they fetch different chunks
 
-        def fetch_chunks(conns: KeptConnections) -> None:
+    def choose() -> tuple[int | list[int], str] | None:
+        """Under cond: the next (chunk, source), or (chunks, seeder) for a request of whichever of those
+        chunks the seeder sent least; None if nothing can start now."""
+        held = target.held()
+        where = holders()
+        usable = [s for s in where if picker.usable(s)]
+        last_resort = seeders() if seeders else set()
+        missing = [i for i in order if i not in held]
+        fresh = [i for i in missing if i not in in_flight]
+        # Endgame: every missing chunk is in flight; ask a second source for one, first answer wins.
+        pool = fresh or [i for i in missing if len(in_flight.get(i, ())) == 1]
+        ranked = []
+        for index in pool:
+            have = [s for s in usable if bitmap_has(where[s], index) and s not in excluded.get(index, ())
+                    and s not in in_flight.get(index, ())]
+            others = [s for s in have if s not in last_resort]
+            if others or have:
+                ranked.append((len(others), index, others or have))
+        ranked.sort(key=lambda r: r[0])  # stable: rarest first, ties in this member's shuffled order
+        for rarity, index, have in ranked:
+            source = picker.pick(have)
+            if source is None:
+                continue
+            if rarity == 0 and source in last_resort and fresh:
+                # Only seeders hold it: let the seeder choose among every such chunk (super-seeding).
+                only_there = [i for r, i, h in ranked if r == 0 and source in h]
+                return only_there, source
+            in_flight.setdefault(index, set()).add(source)
+            return index, source
+        if not in_flight and not seeding[0] and missing and not ranked and \
+                time.monotonic() - last_progress[0] >= stall_s:
+            index = missing[0]
+            tried = "; ".join((report.failed + report.corrupt)[-4:])
+            errors.append(f"chunk {index}: no usable source holds it"
+                          + (f" (every source failed or sent bad bytes: {tried[-500:]})" if tried else ""))
+        return None
+
+    def worker() -> None:
+        conns = KeptConnections(timeout_s)
+        try:
             while True:
-                with lock:
-                    if remaining[0] == 0 or errors:
-                        return
+                with cond:
+                    while True:
+                        if errors or target.complete:
+                            cond.notify_all()
+                            return
+                        picked = choose()
+                        if picked is not None or errors:
+                            break
+                        cond.wait(0.05)
+                    if picked is None:
+                        continue
+                    if isinstance(picked[0], list):
+                        seeding[0] += 1
                 try:
-                    index, excluded = pending.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                with lock:
-                    choices = usable(excluded)
-                    if not choices:
-                        errors.append(f"chunk {index}: every source failed or sent bad bytes "
-                                      f"({'; '.join(report.failed + report.corrupt)[-500:]})")
-                        return
-                    source = choices[turn[0] % len(choices)]  # spread the chunks over the sources
-                    turn[0] += 1
-                expected = {"size": manifest["chunks"][index]["size"], "sha256": hashes[source][index]}
-                try:
-                    data = self._get(source, f"/v1/{kind}/{manifest['version']}/chunk/{index}", conns)
-                except (OSError, TransferError) as e:
-                    with lock:
-                        failures[source] += 1
-                        report.failed.append(f"chunk {index} from {source}: {str(e)[:120]}")
-                    pending.put((index, excluded | {source}))
-                    continue
-                if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-                    with lock:
-                        failures[source] += 1
-                        report.corrupt.append(f"chunk {index} from {source}")
-                    log.warning("%s chunk %d from %s does not match its hash; fetching it elsewhere", kind, index, source)
-                    pending.put((index, excluded | {source}))
-                    continue
-                staging = directory / f".chunk_{index:06d}.tmp"
-                staging.write_bytes(data)
-                staging.replace(directory / f"chunk_{index:06d}")  # a chunk file on disk is always whole
-                with lock:
-                    report.bytes_from[source] = report.bytes_from.get(source, 0) + len(data)
-                    remaining[0] -= 1
+                    fetch_one(conns, *picked)
+                finally:
+                    if isinstance(picked[0], list):
+                        with cond:
+                            seeding[0] -= 1
+        finally:
+            conns.close()
 
-        threads = [threading.Thread(target=worker, daemon=True)
-                   for _ in range(min(self.streams * len(sources), max(1, remaining[0])))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise TransferError(f"{kind} {manifest['version']}: {errors[0]}")
+    def settle(index: int | None, source: str, outcome: str, detail: str = "") -> None:
+        with cond:
+            if index is not None and index in in_flight:
+                in_flight[index].discard(source)
+                if not in_flight[index]:
+                    del in_flight[index]
+            if outcome != "busy" and index is not None:
+                excluded.setdefault(index, set()).add(source)
+            if outcome == "failed":
+                report.failed.append(f"chunk {index if index is not None else '(seeded)'} from {source}: {detail}")
+            elif outcome == "corrupt":
+                report.corrupt.append(f"chunk {index} from {source}")
+            cond.notify_all()
+
+    def fetch_one(conns: KeptConnections, chunk: int | list[int], source: str) -> None:
+        started = time.monotonic()
+        seeded = isinstance(chunk, list)
+        index = None if seeded else chunk
+        if seeded:
+            bits = bytearray((n + 7) // 8)
+            for i in chunk:
+                bits[i // 8] |= 1 << (i % 8)
+            path = f"/v1/{kind}/{target.version}/fresh/{base64.urlsafe_b64encode(bytes(bits)).decode().rstrip('=')}"
+        else:
+            path = f"/v1/{kind}/{target.version}/chunk/{index}"
+        try:
+            data = get(source, path, conns)
+            if seeded:
+                if len(data) < 8 or not 0 <= (index := struct.unpack(">q", data[:8])[0]) < n:
+                    raise TransferError(f"{source}: a seeded chunk without a valid index")
+                data = data[8:]
+        except SourceBusy:
+            log.debug("%s busy for chunk %s", source, index if index is not None else "(seeded)")
+            picker.busy(source)
+            return settle(index, source, "busy")
+        except (OSError, TransferError) as e:
+            picker.failed(source)
+            return settle(index, source, "failed", str(e)[:120])
+        if not target.matches(index, data):
+            picker.failed(source)
+            picker.ban(source, f"sent chunk {index} that does not match its hash")
+            log.warning("%s %d: chunk %d from %s does not match its hash; %s is not used again for this "
+                        "version, the chunk is fetched elsewhere", kind, target.version, index, source, source)
+            settle(index, source, "corrupt")
+            if on_bad:
+                on_bad(source, index, "sha256 mismatch")
+            return
+        picker.done(source, len(data), time.monotonic() - started)
+        log.debug("%s %d chunk %d from %s in %.3f s%s", kind, target.version, index, source,
+                  time.monotonic() - started, " (seeded)" if seeded else "")
+        fresh = target.put(index, data)
+        with cond:
+            if index in in_flight:
+                in_flight[index].discard(source)
+                if not in_flight[index]:
+                    del in_flight[index]
+            if fresh:
+                report.bytes_from[source] = report.bytes_from.get(source, 0) + len(data)
+            last_progress[0] = time.monotonic()
+            cond.notify_all()
+        if fresh and on_verified:
+            on_verified(index)
+
+    if target.complete:
+        return
+    threads = [threading.Thread(target=worker, daemon=True, name=f"fetch-{kind}")
+               for _ in range(max(1, min(streams, n - len(target.held()))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors and not target.complete:
+        raise TransferError(f"{kind} {target.version}: {errors[0]}")

@@ -1,22 +1,31 @@
 """Serves chunked versions over HTTP to whoever holds the run's transfer key.
 
 GET /v1/<kind>/<version|latest> answers the manifest, GET /v1/<kind>/<version>/chunk/<i> one chunk's
-bytes. The caller names the kinds it serves and how many versions of each it keeps; a version that
+bytes, GET /v1/<kind>/<version>/fresh/<bitmap> whichever wanted chunk it has sent least (8 bytes of
+index, then the chunk). The caller names the kinds it serves and how many versions of each it keeps; a version that
 someone fetched from recently is kept a while longer, so a download over a slow link that outlasts a
-few rounds still completes.
+few rounds still completes. What it serves is a version laid out in memory (Chunked, Deferred) or the
+verified chunks on disk of a version still being fetched (ChunkDir): a relay serves each chunk as soon
+as it holds it, and answers 404 for the ones it does not hold yet.
 """
 
 from __future__ import annotations
 
+import base64
+import fcntl
 import hmac
 import json
 import logging
 import math
+import random
+import struct
+import termios
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
 from elastic_mesh.transfer.chunks import Chunked, Deferred
 
 log = logging.getLogger(__name__)
@@ -56,27 +65,90 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, json.dumps(item.manifest).encode())
         if len(parts) == 5 and parts[3] == "chunk" and parts[4].isdigit() and \
                 int(parts[4]) < len(item.manifest["chunks"]):
+            index = int(parts[4])
             if self.server.before_chunk is not None:
-                self.server.before_chunk(parts[1], item.version, int(parts[4]))
-            return self._send(200, item.chunk(int(parts[4])), "application/octet-stream")
+                self.server.before_chunk(parts[1], item.version, index)
+            if not self.server.take_upload_slot():
+                return self._error(503, "busy: every upload slot is taken; ask another source or again shortly")
+            try:
+                return self._send_chunk(parts[1], item, index)
+            finally:
+                self.server.release_upload_slot()
+        if len(parts) == 5 and parts[3] == "fresh":
+            # Super-seeding: "any chunk of these that you have sent least": the seeder, not its
+            # requesters, spreads its chunks, so members that ask at once get different ones to pass on.
+            try:
+                wanted = base64.urlsafe_b64decode(parts[4] + "=" * (-len(parts[4]) % 4))
+            except ValueError:
+                return self._error(400, "fresh/<bitmap>: the wanted chunks as an url-safe base64 bitmap")
+            if not self.server.take_upload_slot():
+                return self._error(503, "busy: every upload slot is taken; ask another source or again shortly")
+            try:
+                index = self.server.least_sent(parts[1], item, wanted)
+                if index is None:
+                    return self._error(404, f"none of the wanted chunks of {parts[1]} {item.version} is held here")
+                if self.server.before_chunk is not None:
+                    self.server.before_chunk(parts[1], item.version, index)
+                return self._send_chunk(parts[1], item, index, prefix=struct.pack(">q", index))
+            finally:
+                self.server.release_upload_slot()
         return self._error(404, f"no such chunk {self.path[:100]}")
+
+    def _send_chunk(self, kind: str, item: "Chunked | ChunkDir", index: int, prefix: bytes = b"") -> None:
+        data = item.chunk(index)
+        if data is None:
+            return self._error(404, f"chunk {index} of {kind} {item.version} is not held here yet")
+        if self.server.chunk_filter is not None:
+            data = self.server.chunk_filter(kind, item.version, index, data)
+        self.server.count_served(kind, item.version, len(data))
+        self._send(200, prefix + data if prefix else data, "application/octet-stream")
+        if self.server.upload_slots:
+            _wait_until_sent(self.connection, low_water=64 << 10, give_up_s=self.timeout)
+
+
+def _wait_until_sent(conn, low_water: int, give_up_s: float) -> None:
+    """Returns once at most `low_water` bytes of this connection wait in the kernel (unsent or unacknowledged).
+    A write returns when the bytes are in the send buffer (megabytes, autotuned), long before they are
+    on the wire: an upload slot released then would limit nothing."""
+    deadline = time.monotonic() + give_up_s
+    delay = 0.002
+    while time.monotonic() < deadline:
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:  # not Linux, or the connection closed: nothing to wait for
+            return
+        if queued <= low_water:
+            return
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.02)
 
 
 class ChunkServer(ThreadingHTTPServer):
-    """Serves this process's newest versions of each kind it was given. `before_chunk(kind, version,
-    index)`, when set, runs before each chunk is sent: the seam for a fault hook (a slow uplink)."""
+    """Serves this process's newest versions of each kind it was given. Two seams for fault hooks, unset
+    in production: `before_chunk(kind, version, index)` runs before each chunk is sent (a slow uplink);
+    `chunk_filter(kind, version, index, data)` returns the bytes to send (a relay that lies)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, port: int, key: str, keep: dict[str, int], pin_s: float = 60.0) -> None:
+    def __init__(self, host: str, port: int, key: str, keep: dict[str, int], pin_s: float = 60.0,
+                 upload_slots: int | None = None) -> None:
         """keep: kind -> how many versions of it are held. An older version is also held while someone
-        fetched from it in the last pin_s seconds."""
+        fetched from it in the last pin_s seconds. upload_slots: chunks sent at once; a request beyond
+        them is answered 503 at once. A seeder that sends to everyone at once shares its uplink so thinly
+        that nobody holds a whole chunk for a long time, and nobody can pass one on; with a few slots
+        each chunk goes out at full rate to a few members, who then serve it too."""
         if not keep or any(n < 1 for n in keep.values()):
             raise ValueError(f"keep {keep} must name at least one kind, each keeping at least 1 version")
         super().__init__((host, port), _Handler)
         self.key, self.pin_s, self.keep = key, pin_s, dict(keep)
         self.before_chunk: Callable[[str, int, int], None] | None = None
+        self.chunk_filter: Callable[[str, int, int, bytes], bytes] | None = None
+        self.served: dict[tuple[str, int], int] = {}  # (kind, version) -> bytes served
+        self.upload_slots = upload_slots
+        self._sent: dict[tuple[str, int], dict[int, int]] = {}  # (kind, version) -> chunk -> times chosen
+        self._slots = threading.BoundedSemaphore(upload_slots) if upload_slots else None
+        self.slot_wait_s = 0.3
         self._last_read: dict[tuple[str, int], float] = {}
         self._held: dict[str, dict[int, Chunked | Deferred]] = {kind: {} for kind in keep}
         self._lock = threading.Lock()
@@ -90,7 +162,39 @@ class ChunkServer(ThreadingHTTPServer):
         # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.
         log.debug("transfer request from %s ended early", client_address, exc_info=True)
 
-    def publish(self, item: Chunked | Deferred, kind: str) -> None:
+    def take_upload_slot(self) -> bool:
+        """Waits a moment for a slot: a request queued here starts the instant an upload ends, where one
+        turned away would leave the uplink idle for a round trip and a back-off."""
+        return self._slots is None or self._slots.acquire(timeout=self.slot_wait_s)
+
+    def release_upload_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes) -> int | None:
+        """Among the wanted chunks this server holds, one it has sent least often (counted as chosen)."""
+        held = item.held() if isinstance(item, ChunkDir) else None
+        choices = [i for i in range(len(item.manifest["chunks"]))
+                   if bitmap_has(wanted, i) and (held is None or i in held)]
+        if not choices:
+            return None
+        with self._lock:
+            counts = self._sent.setdefault((kind, item.version), {})
+            fewest = min(counts.get(i, 0) for i in choices)
+            index = random.choice([i for i in choices if counts.get(i, 0) == fewest])
+            counts[index] = counts.get(index, 0) + 1
+        return index
+
+    def count_served(self, kind: str, version: int, nbytes: int) -> None:
+        with self._lock:
+            self.served[(kind, version)] = self.served.get((kind, version), 0) + nbytes
+
+    def forget(self, kind: str, version: int) -> None:
+        with self._lock:
+            self._held[kind].pop(version, None)
+            self._last_read.pop((kind, version), None)
+
+    def publish(self, item: Chunked | Deferred | ChunkDir, kind: str) -> None:
         if kind not in self._held:
             raise ValueError(f"this server serves {sorted(self._held)}, not {kind!r}")
         with self._lock:
@@ -102,7 +206,7 @@ class ChunkServer(ThreadingHTTPServer):
                     del held[old]
                     self._last_read.pop((kind, old), None)
 
-    def get(self, kind: str, which: str) -> Chunked | None:
+    def get(self, kind: str, which: str) -> Chunked | ChunkDir | None:
         with self._lock:
             held = self._held[kind]
             if which == "latest":

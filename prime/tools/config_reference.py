@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from elastic_mesh.broadcast.member import BroadcastSettings
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from prime.config import JobConfig
 from prime.testing.faults import PREFIX, FaultConfig
@@ -69,6 +70,9 @@ def generate() -> str:
     out += ["### Coordinator (`python -m elastic_mesh.coordinator serve`)", "",
             (CoordinatorConfig.__doc__ or "").strip(), ""]
     out += _table(CoordinatorConfig, lambda name: "--" + name.replace("_", "-")) + [""]
+    out += ["### Broadcast members (`python -m elastic_mesh.broadcast {publish,fetch,relay}`)", "",
+            (BroadcastSettings.__doc__ or "").strip(), ""]
+    out += _table(BroadcastSettings, lambda name: "--" + name.replace("_", "-")) + [""]
     out += ["### Fault injection (`prime.train --chaos.KEY VALUE`; tests and the chaos harness only)", "",
             (FaultConfig.__doc__ or "").strip() + " Not part of the job's config: its fingerprint and "
             "`config.json` never see these.", ""]

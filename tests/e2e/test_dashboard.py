@@ -152,3 +152,31 @@ def test_dashboard_files_are_only_the_packaged_ones(tmp_path):
             assert missing.value.code == 404
     finally:
         server.stop()
+
+
+def test_dashboard_shows_broadcast_versions_holders_and_bytes_served(tmp_path, chromium):
+    import torch
+
+    from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
+    from elastic_mesh.coordinator.run import make_token, start_coordinator
+
+    server = start_coordinator(tmp_path / "coord")
+    settings = BroadcastSettings(host="127.0.0.1", chunk_mb=0.25)
+    origin = BroadcastMember(make_token(tmp_path / "coord", 600, publish=True), "policy", tmp_path / "o", settings)
+    worker = make_token(tmp_path / "coord", 600, role="worker", max_nodes=2)
+    members = [BroadcastMember(worker, "policy", tmp_path / f"m{i}", settings) for i in range(2)]
+    try:
+        origin.publish(3, {"w": torch.randn(500_000)})
+        for m in members:
+            m.fetch()
+        wait_for(lambda: server.coordinator.broadcasts.summary()[0]["complete"] == 3, 30, "three complete holders")
+        observer = make_token(tmp_path / "coord", 600, role="observer")
+        dom = render(chromium, f"http://127.0.0.1:{server.port}/#token={observer}")
+    finally:
+        for m in [origin, *members]:
+            m.stop()
+        server.stop()
+    row = re.search(r'<tr data-broadcast="policy/3">(.*?)</tr>', dom, re.S)
+    assert row, "no row for policy version 3"
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(1))
+    assert cells[0] == "policy" and cells[1] == "3" and cells[3] == "2.0" and cells[6] == "3" and cells[7] == "3"

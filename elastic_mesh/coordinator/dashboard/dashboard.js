@@ -115,12 +115,27 @@ function renderEvents() {
   }));
 }
 
+function renderBroadcast(status) {
+  const body = document.querySelector("#broadcast tbody");
+  body.replaceChildren(...(status.broadcast || []).map(b => {
+    const tr = document.createElement("tr");
+    tr.dataset.broadcast = b.kind + "/" + b.version;
+    tr.append(cell(b.kind), cell(String(b.version), "num"),
+              cell(new Date(b.published_at * 1000).toLocaleTimeString()), cell(fmt(b.bytes / 1e6, 1), "num"),
+              cell(String(b.chunks), "num"), cell(b.root), cell(String(b.holders), "num"),
+              cell(String(b.complete), "num"), cell(fmt(b.bytes_served / 1e6, 1), "num"),
+              cell(b.banned.length ? b.banned.join(", ") : "–", b.banned.length ? "stale" : ""));
+    return tr;
+  }));
+}
+
 async function poll() {
   const connection = document.getElementById("connection");
   try {
     const [status, history] = await Promise.all([getJSON("/status"), getJSON("/v1/history?after=" + lastId)]);
     absorb(history);
     renderNodes(status);
+    renderBroadcast(status);
     renderCharts();
     renderEvents();
     connection.textContent = "updated " + new Date().toLocaleTimeString();

@@ -1,0 +1,194 @@
+"""Broadcast command line: publish a version, fetch one, or relay every version as it comes.
+
+    python -m elastic_mesh.broadcast publish --token T --kind policy --version 3 ckpt/     (serves until Ctrl-C)
+    python -m elastic_mesh.broadcast fetch --token T --kind policy --out policy/           (newest version)
+    python -m elastic_mesh.broadcast relay --token T --kind policy --work-dir relay/      (follows for ever)
+
+Every member serves what it has verified to the others, so each added client adds upload capacity.
+Tokens come from `python -m elastic_mesh.coordinator token create` (a publisher's with --publish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from elastic_mesh.broadcast.member import (
+    BroadcastError,
+    BroadcastMember,
+    BroadcastSettings,
+)
+from elastic_mesh.broadcast.payload import files_as_tensors, write_files
+from elastic_mesh.control.token import TokenError
+
+log = logging.getLogger("elastic_mesh.broadcast")
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("member settings")
+    for name, field in BroadcastSettings.model_fields.items():
+        kind = str if field.annotation not in (int, float) else field.annotation
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
+                           help=f"{field.description} (default {field.default})")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token", required=True, help="a join token of the run (worker or node role)")
+    parser.add_argument("--kind", default="policy", help="what is broadcast, e.g. policy (default policy)")
+    parser.add_argument("--report", type=Path, default=None, help="write what happened here as JSON")
+    parser.add_argument("--verbose", action="store_true", help="log every chunk (where from, how long)")
+    _settings_flags(parser)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m elastic_mesh.broadcast", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    publish = sub.add_parser("publish", help="publish files as a new version and serve them",
+                             epilog="example: python -m elastic_mesh.broadcast publish --token T --kind policy "
+                                    "--version 3 ckpt/")
+    _common(publish)
+    publish.add_argument("--version", type=int, required=True, help="version number; must exceed every earlier one")
+    publish.add_argument("paths", nargs="+", type=Path, help="files or folders (a folder: every file under it)")
+    publish.add_argument("--serve-s", type=float, default=None, help="stop serving after this many seconds "
+                         "(default: until Ctrl-C, or --until-copies)")
+    publish.add_argument("--until-copies", type=int, default=None,
+                         help="stop once this many other members hold a complete verified copy")
+    fetch = sub.add_parser("fetch", help="fetch a version (default the newest), verified, and write its files",
+                           epilog="example: python -m elastic_mesh.broadcast fetch --token T --kind policy --out policy/")
+    _common(fetch)
+    fetch.add_argument("--version", type=int, default=None, help="default: the newest")
+    fetch.add_argument("--out", type=Path, default=None, help="write the version's files here")
+    fetch.add_argument("--work-dir", type=Path, default=Path(".broadcast"),
+                       help="verified chunks (a restarted fetch resumes from them); default .broadcast")
+    fetch.add_argument("--wait-s", type=float, default=0.0,
+                       help="wait this long for a version to be published (default: fail at once if none)")
+    fetch.add_argument("--serve-s", type=float, default=0.0, help="keep serving this long after the fetch")
+    fetch.add_argument("--no-serve", action="store_true", help="fetch without relaying (measurements only)")
+    fetch.add_argument("--origin-only", action="store_true", help="fetch from publishers only (measurements only)")
+    fetch.add_argument("--from", dest="sources", default=None,
+                       help="comma-separated host:port: fetch from these only (measurements of fixed trees)")
+    relay = sub.add_parser("relay", help="fetch every new version as it is published and serve it",
+                           epilog="example: python -m elastic_mesh.broadcast relay --token T --kind policy "
+                                  "--work-dir relay/ --keep 2")
+    _common(relay)
+    relay.add_argument("--work-dir", type=Path, default=Path(".broadcast-relay"))
+    relay.add_argument("--origin-only", action="store_true", help="fetch from publishers only (a fixed tree's "
+                       "first level, for measurements)")
+    return parser
+
+
+def _progress_bar(kind: str):
+    bar: list[tqdm] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, initial=done - 1, unit="chunk", desc=f"fetch {kind}", leave=True))
+        bar[0].update(1)
+    return update, bar
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s.%(msecs)03d [broadcast] %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("urllib3").setLevel(logging.INFO)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        settings = BroadcastSettings(**{k: getattr(args, k) for k in BroadcastSettings.model_fields})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    work = getattr(args, "work_dir", None) or Path(".broadcast-publish")
+    progress, bar = _progress_bar(args.kind) if args.command == "fetch" else (None, [])
+    member = None
+    try:
+        member = BroadcastMember(args.token, args.kind, work, settings, serve=not getattr(args, "no_serve", False),
+                                 on_progress=progress)
+        result = {"command": args.command, "kind": args.kind}
+        if args.command == "publish":
+            tensors, meta = files_as_tensors(args.paths)
+            manifest = member.publish(args.version, tensors, meta)
+            result.update(version=args.version, bytes=manifest["total_bytes"], root=manifest["root"],
+                          published_at=time.time())
+            if args.report:  # at once, so a watcher knows when the version went out
+                args.report.write_text(json.dumps(result))
+            _serve_publisher(member, args, stop)
+        elif args.command == "fetch":
+            only = _restriction(args)
+            manifest = _wait_manifest(member, args.version, args.wait_s, stop)
+            started = time.monotonic()
+            target, report = member.fetch(manifest=manifest, only=only)
+            for b in bar:
+                b.close()
+            log.info("%s %d fetched and verified: %.1f MB in %.2f s from %d source(s)%s", args.kind, target.version,
+                     report.total_bytes / 1e6, time.monotonic() - started, len(report.bytes_from),
+                     f"; bad chunks from {', '.join(report.corrupt)}" if report.corrupt else "")
+            result.update(version=target.version, bytes=report.total_bytes, seconds=report.seconds,
+                          finished_at=time.time(), bytes_from=report.bytes_from, corrupt=report.corrupt,
+                          failed=report.failed, resumed_chunks=report.resumed_chunks, root=manifest["root"])
+            if args.out:
+                files = write_files(target, args.out)
+                log.info("wrote %d file(s) under %s", len(files), args.out)
+            if args.report:  # written before serving on, so a watcher sees it at once
+                args.report.write_text(json.dumps({**result, "served_bytes": member.served_bytes()}))
+            stop.wait(args.serve_s)
+        else:
+            threading.Thread(target=lambda: (stop.wait(), member.stop()), daemon=True).start()
+            member.follow(lambda target, report: log.info(
+                "%s %d relayed: %.1f MB verified in %.2f s; serving it", args.kind, target.version,
+                report.total_bytes / 1e6, report.seconds), only=_restriction(args))
+        result["served_bytes"] = member.served_bytes()
+        if args.report:
+            args.report.write_text(json.dumps(result))
+        return 0
+    except (BroadcastError, TokenError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if member is not None:
+            member.stop()
+
+
+def _restriction(args):
+    if getattr(args, "origin_only", False):
+        return lambda h: h["origin"]
+    if getattr(args, "sources", None):
+        allowed = set(args.sources.split(","))
+        return lambda h: h["address"] in allowed
+    return None
+
+
+def _wait_manifest(member: BroadcastMember, version: int | None, wait_s: float, stop: threading.Event) -> dict:
+    if version is not None or wait_s <= 0:
+        return member.manifest(version)
+    log.info("waiting up to %.0f s for a %s version to be published", wait_s, member.kind)
+    found = member.wait_newer(-1, timeout_s=wait_s)
+    if found is None:
+        raise BroadcastError(f"no {member.kind} version was published within {wait_s:.0f} s")
+    return found
+
+
+def _serve_publisher(member: BroadcastMember, args, stop: threading.Event) -> None:
+    deadline = time.monotonic() + args.serve_s if args.serve_s is not None else None
+    log.info("serving %s %d on port %d%s", args.kind, args.version, member.server.port,
+             f" until {args.until_copies} others hold it" if args.until_copies else "")
+    while not stop.wait(0.5):
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        if args.until_copies and member.complete_copies(args.version) >= args.until_copies:
+            log.info("%d other members hold a complete copy; the origin stops serving", args.until_copies)
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

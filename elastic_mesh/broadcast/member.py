@@ -1,0 +1,344 @@
+"""A member of a broadcast: publishes versions, fetches them from the swarm, and serves what it holds.
+
+Every member is a relay: the chunks it has verified are served from its own chunk server the moment
+they are on disk, and the coordinator is told which ones it holds, so the origin's uplink carries each
+chunk about once and the members' uplinks carry the rest. The manifest of every version comes from
+the coordinator, signed with the run's key; a member checks the signature (against the key whose
+fingerprint its token carries) before it uses a byte, and every chunk against the manifest. A source
+that sends a bad chunk is named in the log, reported to the coordinator and not used again for that
+version; the chunk is fetched elsewhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.signing import SignatureError, fingerprint, verify
+from elastic_mesh.control.token import read_token
+from elastic_mesh.transfer.chunk_dir import ChunkDir
+from elastic_mesh.transfer.chunks import (
+    Chunked,
+    TransferError,
+    check_manifest,
+    lay_out,
+    root_hash,
+)
+from elastic_mesh.transfer.fetcher import FetchReport, download, get_chunk
+from elastic_mesh.transfer.server import ChunkServer
+from elastic_mesh.transfer.sources import SourcePicker
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastError(RuntimeError):
+    """A broadcast cannot go on: refused, forged, or no source left; the message says which and why."""
+
+
+class BroadcastSettings(BaseModel):
+    """How a member fetches, serves and keeps versions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep: int = Field(2, ge=1, description="Versions of the kind this member keeps on disk and serves; older "
+                      "ones are deleted once a newer one is complete.")
+    streams: int = Field(6, ge=1, le=64, description="Chunks fetched at once, over all sources.")
+    streams_per_source: int = Field(2, ge=1, le=16, description="Chunks asked of one source at once.")
+    timeout_s: float = Field(10.0, gt=0, description="A source silent this long in one chunk has failed it.")
+    max_failures: int = Field(3, ge=1, description="Failures after which a source is not used again by one "
+                              "download (a bad chunk bans it at once).")
+    stall_s: float = Field(60.0, ge=0, description="Give up when no source holds a missing chunk for this long.")
+    refresh_s: float = Field(0.2, gt=0, description="How often a download asks the coordinator who holds what.")
+    upload_slots: int = Field(4, ge=1, le=64, description="Chunks this member sends at once; more requests are "
+                              "told to ask elsewhere (a seeder that serves everyone at once finishes no chunk soon).")
+    chunk_mb: float = Field(0.5, gt=0, le=256, description="Publishing: the chunk size, MiB. Smaller chunks let "
+                            "relays pass bytes on sooner; larger ones cost fewer requests.")
+    host: str = Field("0.0.0.0", description="Address the chunk server listens on.")
+    port: int = Field(0, ge=0, lt=65536, description="Port of the chunk server (0: any free one).")
+    advertise_host: str | None = Field(None, description="Host others reach this member's chunk server at "
+                                       "(default: the address the coordinator sees its requests come from).")
+
+
+class BroadcastMember:
+    """One process's part in broadcasts of one kind. serve=False fetches without relaying (a leech:
+    for measurements only)."""
+
+    def __init__(self, token: str, kind: str, work_dir: Path, settings: BroadcastSettings | None = None,
+                 serve: bool = True, on_progress: Callable[[int, int], None] | None = None) -> None:
+        self.settings = settings or BroadcastSettings()
+        self.kind, self.work_dir, self.on_progress = kind, Path(work_dir) / kind, on_progress
+        info = read_token(token)
+        self.client = CoordinatorClient(info.coordinator, request_timeout_s=30, retry_s=60, bearer=token)
+        try:
+            hello = self.client.post("/v1/broadcast/hello", {})
+        except CoordinatorError as e:
+            raise BroadcastError(f"the coordinator at {info.coordinator} refused this member: {e}") from None
+        if info.key_fp and fingerprint(hello["public_key"]) != info.key_fp:
+            raise BroadcastError(f"the coordinator at {info.coordinator} signs with key {fingerprint(hello['public_key'])}"
+                                 f", not the {info.key_fp} this token names: not this run's coordinator (or someone "
+                                 "in between); nothing was fetched")
+        if not info.key_fp:
+            log.warning("this token names no signing key (made before keys existed): trusting the key the "
+                        "coordinator sent; make a new token to pin it")
+        self.public_key, self.run_id, self.may_publish = hello["public_key"], hello["run_id"], hello["publish"]
+        self.key, self.holder_ttl_s = hello["broadcast_key"], float(hello["holder_ttl_s"])
+        self.held: dict[int, Chunked | ChunkDir] = {}
+        self.address = ""  # host:port as the coordinator names this member to others
+        self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self.server: ChunkServer | None = None
+        if serve:
+            # The server keeps what the member tells it to (retention below), plus a version read in the last
+            # seconds, so a peer in the middle of a chunk is not cut off.
+            self.server = ChunkServer(self.settings.host, self.settings.port, self.key, keep={kind: self.settings.keep},
+                                      pin_s=5.0, upload_slots=self.settings.upload_slots)
+            self._announcer = threading.Thread(target=self._announce_loop, daemon=True, name="broadcast-have")
+            self._announcer.start()
+
+    # ---- trust -------------------------------------------------------------------------------------
+    def verified(self, envelope: dict) -> dict:
+        """The manifest inside a signed envelope, or BroadcastError if anything about it is off."""
+        try:
+            payload = {k: envelope[k] for k in ("run_id", "kind", "manifest")}
+            verify(self.public_key, payload, str(envelope["signature"]))
+        except (KeyError, TypeError) as e:
+            raise BroadcastError(f"unsigned or malformed manifest (missing {e}); refused") from None
+        except SignatureError as e:
+            raise BroadcastError(f"{self.kind} manifest refused: {e}") from None
+        manifest = payload["manifest"]
+        if payload["run_id"] != self.run_id or payload["kind"] != self.kind:
+            raise BroadcastError(f"manifest of {payload['run_id']}/{payload['kind']} where {self.run_id}/{self.kind} "
+                                 "was asked for; refused")
+        try:
+            check_manifest(manifest)
+        except TransferError as e:
+            raise BroadcastError(str(e)) from None
+        if manifest.get("root") != root_hash(manifest["chunks"]):
+            raise BroadcastError("the manifest's root hash does not match its chunks; refused")
+        return manifest
+
+    # ---- versions ----------------------------------------------------------------------------------
+    def manifest(self, version: int | None = None) -> dict:
+        """The signed manifest of `version`, or of the newest version (BroadcastError if none)."""
+        try:
+            if version is not None:
+                return self.verified(self.client.post("/v1/broadcast/manifest", {"kind": self.kind,
+                                                                                 "version": version})["envelope"])
+            answer = self.client.post("/v1/broadcast/wait", {"kind": self.kind, "after": -1})
+        except CoordinatorError as e:
+            raise BroadcastError(str(e)) from None
+        if answer.get("status") != "ok":
+            raise BroadcastError(f"no {self.kind} version has been published yet")
+        return self.verified(answer["envelope"])
+
+    def wait_newer(self, after: int, timeout_s: float) -> dict | None:
+        """Long-polls the coordinator for a version above `after`: its manifest, or None at timeout_s."""
+        give_up = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            try:
+                answer = self.client.post("/v1/broadcast/wait", {"kind": self.kind, "after": after})
+            except CoordinatorError as e:
+                raise BroadcastError(str(e)) from None
+            if answer.get("status") == "ok":
+                return self.verified(answer["envelope"])
+            if time.monotonic() > give_up:
+                return None
+        return None
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> dict:
+        """Publishes `version` of the kind (this member must hold the publish right) and serves it."""
+        if not self.may_publish:
+            raise BroadcastError("this token has no publish right; ask the run's operator for one (token create --publish)")
+        if self.server is None:
+            raise BroadcastError("a publisher must serve its versions (serve=True)")
+        chunked = lay_out(version, tensors, meta, chunk_bytes=int(self.settings.chunk_mb * (1 << 20)))
+        body = {"kind": self.kind, "manifest": chunked.manifest, "port": self.server.port,
+                "host": self.settings.advertise_host}
+        try:
+            answer = self.client.post("/v1/broadcast/publish", body)
+        except CoordinatorError as e:
+            raise BroadcastError(f"publish refused: {e}") from None
+        if answer["root"] != root_hash(chunked.manifest["chunks"]):
+            raise BroadcastError("the coordinator signed another root hash than this member's; not served")
+        self._hold(version, chunked)
+        log.info("%s version %d published: %.1f MB in %d chunks, root %s", self.kind, version,
+                 chunked.manifest["total_bytes"] / 1e6, len(chunked.manifest["chunks"]), answer["root"][:12])
+        return self.manifest(version)
+
+    def fetch(self, version: int | None = None, only: Callable[[dict], bool] | None = None,
+              manifest: dict | None = None) -> tuple[ChunkDir, FetchReport]:
+        """Fetches `version` (default the newest) from whoever holds it, verified, into the work dir; a
+        restarted fetch keeps the verified chunks already there. only(holder): restricts the sources
+        (holder: {address, origin}), for measurements of fixed topologies."""
+        manifest = manifest or self.manifest(version)
+        version = int(manifest["version"])
+        started = time.monotonic()
+        target = ChunkDir(self.work_dir / f"v{version:08d}", manifest)
+        report = FetchReport(version, manifest["total_bytes"], len(manifest["chunks"]))
+        report.resumed_chunks = target.resume()
+        if self.server is not None:
+            self._hold(version, target)
+        holders = _HolderView(self, version, only)
+        done = [len(target.held())]
+
+        def verified_one(index: int) -> None:
+            self._dirty.set()
+            done[0] += 1
+            if self.on_progress:
+                self.on_progress(done[0], target.chunks)
+
+        def bad(source: str, index: int, why: str) -> None:
+            log.warning("%s %d: %s sent a bad chunk %d (%s); reported to the coordinator", self.kind, version,
+                        source, index, why)
+            try:
+                self.client.post("/v1/broadcast/report", {"kind": self.kind, "version": version, "source": source,
+                                                          "chunk": index, "reason": why}, retry=False)
+            except CoordinatorError as e:
+                log.warning("could not report %s: %s", source, e)
+
+        s = self.settings
+        try:
+            download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
+                     holders, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
+                     stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
+                     seeders=lambda: holders.origins)
+        except TransferError as e:
+            raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
+                                 "for the next try") from None
+        finally:
+            holders.stop()
+        report.seconds = time.monotonic() - started
+        self._dirty.set()
+        self._retire()
+        return target, report
+
+    def follow(self, on_version: Callable[[ChunkDir, FetchReport], None] | None = None,
+               only: Callable[[dict], bool] | None = None) -> None:
+        """A relay: fetches every new version as it is announced (the newest, skipping any it fell behind
+        on), serves it, keeps the last `keep`. Returns when stop() is called."""
+        newest = max(self.held, default=-1)
+        while not self._stop.is_set():
+            try:
+                manifest = self.wait_newer(newest, timeout_s=3600)
+            except BroadcastError as e:  # the coordinator gone for a while: a relay outlives it
+                log.warning("waiting for a new %s version: %s; trying again in 5 s", self.kind, e)
+                self._stop.wait(5)
+                continue
+            if manifest is None:
+                continue
+            try:
+                target, report = self.fetch(manifest=manifest, only=only)
+            except BroadcastError as e:
+                log.warning("%s %d not fetched: %s", self.kind, manifest["version"], e)
+                newest = max(newest, int(manifest["version"]))
+                continue
+            newest = target.version
+            if on_version:
+                on_version(target, report)
+
+    # ---- holding and announcing --------------------------------------------------------------------
+    def _hold(self, version: int, item: Chunked | ChunkDir) -> None:
+        with self._lock:
+            self.held[version] = item
+        if self.server is not None:
+            self.server.publish(item, self.kind)
+        self._dirty.set()
+
+    def _retire(self) -> None:
+        """Keeps the newest `keep` versions: a complete newer version retires the oldest."""
+        with self._lock:
+            complete = sorted(v for v, item in self.held.items() if not isinstance(item, ChunkDir) or item.complete)
+            old = [v for v in self.held if v < (complete[-self.settings.keep] if len(complete) >= self.settings.keep
+                                                else -1)]
+            retired = [self.held.pop(v) for v in old]
+        for version, item in zip(old, retired):
+            if self.server is not None:
+                self.server.forget(self.kind, version)
+            if isinstance(item, ChunkDir):
+                item.remove()
+            log.info("%s %d retired (keeping the newest %d)", self.kind, version, self.settings.keep)
+
+    def _announce_loop(self) -> None:
+        last = 0.0
+        while not self._stop.is_set():
+            due = self._dirty.wait(0.25) or time.monotonic() - last > self.holder_ttl_s / 3
+            if not due:
+                continue
+            time.sleep(max(0.0, last + 0.1 - time.monotonic()))  # at most ten a second, however fast chunks come
+            self._dirty.clear()
+            last = time.monotonic()
+            with self._lock:
+                held = dict(self.held)
+            for version, item in held.items():
+                complete = not isinstance(item, ChunkDir) or item.complete
+                body = {"kind": self.kind, "version": version, "port": self.server.port,
+                        "host": self.settings.advertise_host, "origin": isinstance(item, Chunked),
+                        "chunks": "all" if complete else base64.b64encode(item.bitmap()).decode(),
+                        "served_bytes": self.server.served.get((self.kind, version), 0)}
+                try:
+                    self.address = self.client.post("/v1/broadcast/have", body, retry=False)["address"]
+                except CoordinatorError as e:
+                    if e.status == 404:  # the coordinator no longer keeps it: stop offering it
+                        with self._lock:
+                            self.held.pop(version, None)
+                    elif e.status is not None:
+                        log.warning("%s %d: have refused: %s", self.kind, version, e)
+
+    def complete_copies(self, version: int) -> int:
+        """How many other members hold a complete verified copy of `version` (as the coordinator knows)."""
+        answer = self.client.post("/v1/broadcast/holders", {"kind": self.kind, "version": version})
+        return sum(h["chunks"] == "all" and h["address"] != self.address for h in answer["holders"])
+
+    def served_bytes(self) -> int:
+        return sum(n for (kind, _), n in self.server.served.items() if kind == self.kind) if self.server else 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop()
+        self.client.close()
+
+
+class _HolderView:
+    """Who holds which chunks of one version, refreshed from the coordinator every refresh_s in the
+    background while a download runs; the download asks it before every choice."""
+
+    def __init__(self, member: BroadcastMember, version: int, only: Callable[[dict], bool] | None) -> None:
+        self.member, self.version, self.only = member, version, only
+        self.current: dict[str, bytes | None] = {}
+        self.origins: set[str] = set()  # publishers: asked only for chunks nobody else holds
+        self._stop = threading.Event()
+        self._refresh()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="broadcast-holders")
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        try:
+            answer = self.member.client.post("/v1/broadcast/holders", {"kind": self.member.kind,
+                                                                       "version": self.version}, retry=False)
+        except CoordinatorError as e:
+            log.debug("holders of %s %d: %s", self.member.kind, self.version, e)
+            return
+        holders = [h for h in answer["holders"]
+                   if h["address"] != self.member.address and (self.only is None or self.only(h))]
+        self.origins = {h["address"] for h in holders if h["origin"]}
+        self.current = {h["address"]: None if h["chunks"] == "all" else base64.b64decode(h["chunks"]) for h in holders}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.member.settings.refresh_s):
+            self._refresh()
+
+    def __call__(self) -> dict[str, bytes | None]:
+        return self.current
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,215 @@
+"""Broadcast bookkeeping on the coordinator: signed versions, who holds which chunks, who served bad ones.
+
+The coordinator never carries payload. A publisher sends a version's manifest (chunk hashes, layout);
+the coordinator checks its shape, signs it with the run's key and keeps the newest `keep` versions of
+each kind (in SQLite, so a restarted coordinator still knows them). Every process that holds chunks of
+a version says so (`have`, a bitmap, renewed within `holder_ttl_s` or forgotten), and asks who holds
+what (`holders`). A member that received a chunk that does not match the signed hash reports its
+source; two reporters with different tokens, or one with the publish right, ban that source for that
+version (one alone could be lying about an honest peer).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+from elastic_mesh.control.signing import RunSigner
+from elastic_mesh.control.token import JoinToken
+from elastic_mesh.coordinator.config import Refused
+from elastic_mesh.coordinator.state import CoordinatorState
+from elastic_mesh.transfer.chunks import TransferError, check_manifest, root_hash
+
+log = logging.getLogger(__name__)
+
+KIND = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+MAX_HOLDERS_ANSWERED = 64
+
+
+@dataclass
+class Holder:
+    address: str  # host:port of its chunk server
+    token_id: str
+    chunks: bytes | None  # bitmap of the chunks it holds, None: all of them
+    origin: bool
+    served_bytes: int
+    seen: float  # time.monotonic() of its last `have`
+
+
+@dataclass
+class VersionHolders:
+    holders: dict[str, Holder] = field(default_factory=dict)
+    reports: dict[str, set[str]] = field(default_factory=dict)  # source address -> reporters' token ids
+    banned: dict[str, str] = field(default_factory=dict)  # source address -> why
+
+
+def bitmap_count(bitmap: bytes | None, chunks: int) -> int:
+    if bitmap is None:
+        return chunks
+    return sum(bin(b).count("1") for b in bitmap)
+
+
+class Broadcasts:
+    def __init__(self, state: CoordinatorState, signer: RunSigner, run_id: str, lock: threading.RLock,
+                 changed: threading.Condition, keep: int, holder_ttl_s: float) -> None:
+        self.state, self.signer, self.run_id, self.lock, self.changed = state, signer, run_id, lock, changed
+        self.keep, self.holder_ttl_s = keep, holder_ttl_s
+        self._holders: dict[tuple[str, int], VersionHolders] = {}
+        with state.transaction():
+            state.db.execute("CREATE TABLE IF NOT EXISTS broadcasts (kind TEXT NOT NULL, version INTEGER NOT NULL, "
+                             "envelope TEXT NOT NULL, publisher TEXT NOT NULL, published_at REAL NOT NULL, "
+                             "PRIMARY KEY (kind, version))")
+
+    # ---- versions ----------------------------------------------------------------------------------
+    def publish(self, token: JoinToken, body: dict, peer: str) -> dict:
+        if not token.publish:
+            raise Refused(403, f"token {token.token_id} has no publish right; ask the run's operator for one "
+                               "(token create --publish)")
+        kind = _kind(body)
+        try:
+            manifest = check_manifest(body.get("manifest"))
+        except TransferError as e:
+            raise Refused(400, str(e)) from None
+        version = int(manifest["version"])
+        manifest = {**manifest, "kind": kind, "root": root_hash(manifest["chunks"])}
+        payload = {"run_id": self.run_id, "kind": kind, "manifest": manifest}
+        envelope = {**payload, "signature": self.signer.sign(payload)}
+        with self.lock, self.state.transaction():
+            newest = self._newest(kind)
+            if newest is not None and version <= newest:
+                raise Refused(409, f"{kind} version {version} is not newer than the published {newest}; "
+                                   "versions only go up")
+            self.state.db.execute("INSERT INTO broadcasts VALUES (?, ?, ?, ?, ?)",
+                                  (kind, version, json.dumps(envelope), token.token_id, time.time()))
+            stale = self.state.db.execute("SELECT version FROM broadcasts WHERE kind = ? ORDER BY version DESC "
+                                          "LIMIT -1 OFFSET ?", (kind, self.keep)).fetchall()
+            for (old,) in stale:
+                self.state.db.execute("DELETE FROM broadcasts WHERE kind = ? AND version = ?", (kind, old))
+                self._holders.pop((kind, old), None)
+            self.state.event(f"{kind} version {version} published ({manifest['total_bytes'] / 1e6:.1f} MB in "
+                             f"{len(manifest['chunks'])} chunks, root {manifest['root'][:12]})")
+            self.changed.notify_all()
+        log.info("%s version %d published by token %s: %.1f MB, root %s", kind, version, token.token_id,
+                 manifest["total_bytes"] / 1e6, manifest["root"][:12])
+        if body.get("port"):
+            self.have(token, {**body, "version": version, "chunks": "all", "origin": True}, peer)
+        return {"status": "ok", "version": version, "root": manifest["root"]}
+
+    def _newest(self, kind: str) -> int | None:
+        row = self.state.db.execute("SELECT MAX(version) FROM broadcasts WHERE kind = ?", (kind,)).fetchone()
+        return row[0]
+
+    def envelope(self, kind: str, version: int | None = None, after: int = -1) -> dict | None:
+        """The signed manifest of `version`, or of the newest version above `after`."""
+        with self.lock:
+            if version is not None:
+                row = self.state.db.execute("SELECT envelope FROM broadcasts WHERE kind = ? AND version = ?",
+                                            (kind, version)).fetchone()
+            else:
+                row = self.state.db.execute("SELECT envelope FROM broadcasts WHERE kind = ? AND version > ? "
+                                            "ORDER BY version DESC LIMIT 1", (kind, after)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def manifest(self, body: dict) -> dict:
+        kind, version = _kind(body), int(body["version"])
+        found = self.envelope(kind, version)
+        if found is None:
+            with self.lock:
+                held = [v for (v,) in self.state.db.execute(
+                    "SELECT version FROM broadcasts WHERE kind = ? ORDER BY version", (kind,))]
+            raise Refused(404, f"no {kind} version {version} (kept: {held or 'none'})")
+        return {"status": "ok", "envelope": found}
+
+    def wait_answer(self, body: dict) -> dict | None:
+        """For the long-poll: the newest version above `after`, or None (keep waiting)."""
+        found = self.envelope(_kind(body), after=int(body.get("after", -1)))
+        return {"status": "ok", "envelope": found} if found else None
+
+    # ---- holders -----------------------------------------------------------------------------------
+    def have(self, token: JoinToken, body: dict, peer: str) -> dict:
+        kind, version, port = _kind(body), int(body["version"]), int(body["port"])
+        if not 0 < port < 65536:
+            raise Refused(400, f"port {port} is not a port")
+        host = str(body.get("host") or peer)[:200]
+        address = f"{host}:{port}"
+        chunks = body.get("chunks")
+        bitmap = None if chunks == "all" else base64.b64decode(str(chunks), validate=True)
+        with self.lock:
+            if self.envelope(kind, version) is None:
+                raise Refused(404, f"no {kind} version {version} is kept; fetch a newer one")
+            entry = self._holders.setdefault((kind, version), VersionHolders())
+            if address in entry.banned:
+                raise Refused(403, f"{address} is banned from serving {kind} {version}: {entry.banned[address]}")
+            # A token names at most max_nodes holders: one leaked token cannot fill the holder lists with
+            # addresses that waste everyone's time-outs.
+            mine = [a for a, h in entry.holders.items() if h.token_id == token.token_id and
+                    time.monotonic() - h.seen <= self.holder_ttl_s]
+            if address not in mine and len(mine) >= token.max_nodes:
+                raise Refused(429, f"token {token.token_id} already names {len(mine)} holder(s) of {kind} {version}, "
+                                   f"its cap (max_nodes {token.max_nodes}); give each worker its own token, or one "
+                                   "with --max-nodes")
+            entry.holders[address] = Holder(address, token.token_id, bitmap, bool(body.get("origin")) and token.publish,
+                                            int(body.get("served_bytes", 0)), time.monotonic())
+            self.changed.notify_all()
+        return {"status": "ok", "address": address}
+
+    def holders(self, body: dict) -> dict:
+        kind, version = _kind(body), int(body["version"])
+        now = time.monotonic()
+        with self.lock:
+            entry = self._holders.get((kind, version), VersionHolders())
+            for address in [a for a, h in entry.holders.items() if now - h.seen > self.holder_ttl_s]:
+                del entry.holders[address]
+            live = list(entry.holders.values())
+        if len(live) > MAX_HOLDERS_ANSWERED:  # a fair sample, so no holder is everyone's first choice
+            live = random.sample(live, MAX_HOLDERS_ANSWERED)
+        return {"status": "ok", "holders": [
+            {"address": h.address, "origin": h.origin,
+             "chunks": "all" if h.chunks is None else base64.b64encode(h.chunks).decode()} for h in live]}
+
+    def report(self, token: JoinToken, body: dict) -> dict:
+        kind, version, source = _kind(body), int(body["version"]), str(body["source"])[:200]
+        chunk, reason = int(body.get("chunk", -1)), str(body.get("reason", ""))[:200]
+        with self.lock, self.state.transaction():
+            entry = self._holders.setdefault((kind, version), VersionHolders())
+            reporters = entry.reports.setdefault(source, set())
+            reporters.add(token.token_id)
+            self.state.event(f"{kind} {version}: chunk {chunk} from {source} did not match its signed hash "
+                             f"(reported by token {token.token_id}: {reason})")
+            if source not in entry.banned and (len(reporters) >= 2 or token.publish):
+                entry.banned[source] = f"bad chunks reported by {len(reporters)} member(s)"
+                entry.holders.pop(source, None)
+                self.state.event(f"{kind} {version}: {source} banned ({entry.banned[source]})")
+                log.warning("%s %d: %s banned: %s", kind, version, source, entry.banned[source])
+        return {"status": "ok", "banned": source in entry.banned}
+
+    # ---- status ------------------------------------------------------------------------------------
+    def summary(self) -> list[dict]:
+        now = time.monotonic()
+        with self.lock:
+            rows = self.state.db.execute("SELECT kind, version, envelope, published_at FROM broadcasts "
+                                         "ORDER BY kind, version").fetchall()
+            out = []
+            for kind, version, envelope, published_at in rows:
+                manifest = json.loads(envelope)["manifest"]
+                entry = self._holders.get((kind, version), VersionHolders())
+                live = [h for h in entry.holders.values() if now - h.seen <= self.holder_ttl_s]
+                n = len(manifest["chunks"])
+                out.append({"kind": kind, "version": version, "published_at": published_at,
+                            "bytes": manifest["total_bytes"], "chunks": n, "root": manifest["root"][:16],
+                            "holders": len(live), "complete": sum(bitmap_count(h.chunks, n) == n for h in live),
+                            "bytes_served": sum(h.served_bytes for h in live), "banned": sorted(entry.banned)})
+            return out
+
+
+def _kind(body: dict) -> str:
+    kind = str(body.get("kind", ""))
+    if not KIND.fullmatch(kind):
+        raise Refused(400, f"kind {kind[:40]!r} must be 1-32 of a-z, 0-9, _ and - (starting with a letter or digit)")
+    return kind

@@ -1,0 +1,251 @@
+"""Broadcast: signed versions, a swarm of members over real sockets, and every refusal with its reason.
+
+The coordinator and the members run in this process (threads, real HTTP servers on loopback); the
+fault tests with separate processes are in tests/e2e/test_broadcast.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from elastic_mesh.broadcast.member import (
+    BroadcastError,
+    BroadcastMember,
+    BroadcastSettings,
+)
+from elastic_mesh.broadcast.payload import files_as_tensors, write_files
+from elastic_mesh.control.signing import RunSigner
+from elastic_mesh.control.token import create_token, read_token
+from elastic_mesh.coordinator.run import (
+    _secret,
+    make_token,
+    revoke_token,
+    start_coordinator,
+)
+from elastic_mesh.transfer.chunks import root_hash
+
+SETTINGS = BroadcastSettings(chunk_mb=0.0625, host="127.0.0.1", timeout_s=5, stall_s=5)
+
+
+@pytest.fixture
+def run(tmp_path):
+    server = start_coordinator(tmp_path / "coord")
+    yield server, tmp_path
+    server.stop()
+
+
+def tokens(tmp_path, **kw):
+    return make_token(tmp_path / "coord", 3600, **kw)
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def payload() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"layer.weight": torch.randn(300, 1000, generator=g), "layer.bias": torch.randn(1000, generator=g),
+            "step": torch.tensor([7])}
+
+
+def test_a_published_version_reaches_every_member_verified_and_members_serve_each_other(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    worker = tokens(tmp, role="worker", max_nodes=8)
+    members = [BroadcastMember(worker, "policy", tmp / f"m{i}", SETTINGS) for i in range(4)]
+    try:
+        sent = payload()
+        manifest = origin.publish(1, sent)
+        assert manifest["root"] == root_hash(manifest["chunks"]) and len(manifest["chunks"]) > 16
+        first, report = members[0].fetch()
+        wait_until(lambda: origin.complete_copies(1) >= 1)
+        assert first.complete and report.bytes_from == {origin.address or next(iter(report.bytes_from)): report.total_bytes}
+        # The origin now stops answering: the others must get everything from the first member.
+        origin.server.before_chunk = lambda *a: (_ for _ in ()).throw(ConnectionError("origin gone"))
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].fetch())) for i in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i in (1, 2, 3):
+            target, rep = results[i]
+            got = target.tensors()
+            assert all(torch.equal(got[k], v) for k, v in sent.items())
+        assert members[0].served_bytes() > 0
+        status = server.coordinator.status()["broadcast"]
+        assert status[0]["version"] == 1 and status[0]["complete"] >= 2
+    finally:
+        for m in [origin, *members]:
+            m.stop()
+
+
+def test_forged_unsigned_and_foreign_manifests_are_refused(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    member = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "m", SETTINGS)
+    try:
+        origin.publish(1, payload())
+        envelope = server.coordinator.broadcasts.envelope("policy", 1)
+        forged = json.loads(json.dumps(envelope))
+        forged["manifest"]["chunks"][0]["sha256"] = "0" * 64
+        forged["manifest"]["root"] = root_hash(forged["manifest"]["chunks"])
+        with pytest.raises(BroadcastError, match="signature does not match"):
+            member.verified(forged)
+        with pytest.raises(BroadcastError, match="unsigned"):
+            member.verified({k: v for k, v in envelope.items() if k != "signature"})
+        other = RunSigner.load_or_create(tmp / "other.pem")
+        foreign = {k: envelope[k] for k in ("run_id", "kind", "manifest")}
+        with pytest.raises(BroadcastError, match="signature does not match"):
+            member.verified({**foreign, "signature": other.sign(foreign)})
+        with pytest.raises(BroadcastError, match="no policy version 9"):
+            member.manifest(9)
+    finally:
+        origin.stop()
+        member.stop()
+
+
+def test_tokens_decide_who_may_publish_and_fetch(run):
+    server, tmp = run
+    worker = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "w", SETTINGS)
+    try:
+        with pytest.raises(BroadcastError, match="no publish right"):
+            worker.publish(1, payload())
+    finally:
+        worker.stop()
+    with pytest.raises(BroadcastError, match="observer token reads the status only"):
+        BroadcastMember(tokens(tmp, role="observer"), "policy", tmp / "o", SETTINGS)
+    revoked = tokens(tmp, role="worker")
+    revoke_token(tmp / "coord", read_token(revoked).token_id)
+    with pytest.raises(BroadcastError, match="was revoked"):
+        BroadcastMember(revoked, "policy", tmp / "r", SETTINGS)
+    address = f"127.0.0.1:{server.port}"
+    foreign = create_token(b"x" * 32, address, server.coordinator.run_id, 3600, "worker")
+    with pytest.raises(BroadcastError, match="signature is invalid"):
+        BroadcastMember(foreign, "policy", tmp / "f", SETTINGS)
+    other_run = create_token(_secret(tmp / "coord"), address, "another-run", 3600, "worker")
+    with pytest.raises(BroadcastError, match="another run"):
+        BroadcastMember(other_run, "policy", tmp / "f", SETTINGS)
+    # A token that names another signing key: the coordinator at its address is not the one it trusts.
+    pinned = create_token(_secret(tmp / "coord"), address, server.coordinator.run_id, 3600, "worker",
+                          key_fp="f" * 32)
+    with pytest.raises(BroadcastError, match="not this run's coordinator"):
+        BroadcastMember(pinned, "policy", tmp / "p", SETTINGS)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("POST", "/v1/broadcast/holders", body=json.dumps({"kind": "policy", "version": 1}))
+    answer = conn.getresponse()
+    assert answer.status == 401 and b"needs a join token" in answer.read()
+
+
+def test_one_token_names_at_most_max_nodes_holders(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    shared = tokens(tmp, role="worker", max_nodes=1)
+    members = [BroadcastMember(shared, "policy", tmp / f"m{i}", SETTINGS) for i in range(2)]
+    try:
+        origin.publish(1, payload())
+        for m in members:
+            m.fetch()  # both get their copy; only one of them may serve it
+        time.sleep(1.0)
+        answer = origin.client.post("/v1/broadcast/holders", {"kind": "policy", "version": 1})
+        assert len(answer["holders"]) == 2  # the origin and one member
+        with pytest.raises(Exception, match="its cap"):
+            members[1].client.post("/v1/broadcast/have", {"kind": "policy", "version": 1, "port": 1, "chunks": "all"})
+    finally:
+        for m in [origin, *members]:
+            m.stop()
+
+
+def test_a_corrupt_source_is_banned_named_and_reported_and_the_download_completes(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    liar = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "liar", SETTINGS)
+    honest = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "honest", SETTINGS)
+    try:
+        sent = payload()
+        origin.publish(1, sent)
+        liar.fetch()
+        wait_until(lambda: origin.complete_copies(1) >= 1)  # the coordinator names the liar as a holder
+        liar.server.chunk_filter = lambda kind, version, index, data: bytes(b ^ 0x55 for b in data[:64]) + data[64:]
+        target, report = honest.fetch(only=lambda h: h["address"] in (liar.address, origin.address))
+        assert all(torch.equal(target.tensors()[k], v) for k, v in sent.items())
+        assert report.corrupt and all(c.endswith(liar.address) for c in report.corrupt), (report, liar.address, origin.address)
+        assert liar.address not in report.bytes_from
+        events = " ".join(e["text"] for e in server.coordinator.status()["events"])
+        assert f"from {liar.address} did not match its signed hash" in events
+    finally:
+        for m in (origin, liar, honest):
+            m.stop()
+
+
+def test_retention_keeps_the_newest_versions_and_versions_only_go_up(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    relay = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "relay",
+                            SETTINGS.model_copy(update={"keep": 2}))
+    try:
+        for version in (1, 2, 3):
+            origin.publish(version, {"v": torch.full((1000,), float(version))})
+            target, _ = relay.fetch()
+            assert target.version == version and target.tensors()["v"][0] == version
+        assert sorted(relay.held) == [2, 3] and not (tmp / "relay" / "policy" / "v00000001").exists()
+        with pytest.raises(BroadcastError, match="not newer than the published 3"):
+            origin.publish(2, {"v": torch.zeros(10)})
+    finally:
+        origin.stop()
+        relay.stop()
+
+
+def test_an_interrupted_fetch_resumes_from_its_verified_chunks(run):
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    worker = tokens(tmp, role="worker")
+    try:
+        origin.publish(1, payload())
+        first = BroadcastMember(worker, "policy", tmp / "m", SETTINGS, serve=False)
+        served = []
+        origin.server.before_chunk = lambda kind, version, index: served.append(index) or (
+            len(served) > 10 and (_ for _ in ()).throw(ConnectionError("cut")))
+        with pytest.raises(BroadcastError, match="verified chunks stay"):
+            first.fetch()
+        first.stop()
+        kept = len(list((tmp / "m" / "policy" / "v00000001").glob("chunk_*")))
+        assert 0 < kept < 30
+        origin.server.before_chunk = None
+        again = BroadcastMember(worker, "policy", tmp / "m", SETTINGS, serve=False)
+        target, report = again.fetch()
+        again.stop()
+        assert target.complete and report.resumed_chunks == kept
+    finally:
+        origin.stop()
+
+
+def test_files_round_trip_and_names_cannot_escape_the_output_folder(run, tmp_path):
+    server, tmp = run
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text('{"a": 1}')
+    (src / "sub" / "weights.bin").write_bytes(bytes(range(256)) * 3000)
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    member = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "m", SETTINGS)
+    try:
+        tensors, meta = files_as_tensors([src])
+        origin.publish(1, tensors, meta)
+        target, _ = member.fetch()
+        write_files(target, tmp_path / "out")
+        assert (tmp_path / "out" / "sub" / "weights.bin").read_bytes() == (src / "sub" / "weights.bin").read_bytes()
+        target.manifest["meta"]["files"] = ["../escape"]
+        target.manifest["tensors"][0]["name"] = "../escape"
+        with pytest.raises(ValueError, match="outside"):
+            write_files(target, tmp_path / "out")
+    finally:
+        origin.stop()
+        member.stop()
