@@ -214,18 +214,23 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         finally:
             conns.close()
 
-    def settle(index: int | None, source: str, outcome: str, detail: str = "") -> None:
+    def settle(index: int | None, source: str, outcome: str, detail: str = "", nbytes: int = 0) -> None:
+        """A request to `source` ended: ok (nbytes newly stored), busy, failed or corrupt."""
         with cond:
             if index is not None and index in in_flight:
                 in_flight[index].discard(source)
                 if not in_flight[index]:
                     del in_flight[index]
-            if outcome != "busy" and index is not None:
+            if outcome in ("failed", "corrupt") and index is not None:
                 excluded.setdefault(index, set()).add(source)
             if outcome == "failed":
                 report.failed.append(f"chunk {index if index is not None else '(seeded)'} from {source}: {detail}")
             elif outcome == "corrupt":
                 report.corrupt.append(f"chunk {index} from {source}")
+            elif outcome == "ok":
+                if nbytes:
+                    report.bytes_from[source] = report.bytes_from.get(source, 0) + nbytes
+                last_progress[0] = time.monotonic()
             cond.notify_all()
 
     def fetch_one(conns: KeptConnections, chunk: int | list[int], source: str) -> None:
@@ -265,15 +270,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         log.debug("%s %d chunk %d from %s in %.3f s%s", kind, target.version, index, source,
                   time.monotonic() - started, " (seeded)" if seeded else "")
         fresh = target.put(index, data)
-        with cond:
-            if index in in_flight:
-                in_flight[index].discard(source)
-                if not in_flight[index]:
-                    del in_flight[index]
-            if fresh:
-                report.bytes_from[source] = report.bytes_from.get(source, 0) + len(data)
-            last_progress[0] = time.monotonic()
-            cond.notify_all()
+        settle(index, source, "ok", nbytes=len(data) if fresh else 0)
         if fresh and on_verified:
             on_verified(index)
 

@@ -110,11 +110,14 @@ def _wait_until_sent(conn, low_water: int, give_up_s: float) -> None:
     """Returns once at most `low_water` bytes of this connection wait in the kernel (unsent or unacknowledged).
     A write returns when the bytes are in the send buffer (megabytes, autotuned), long before they are
     on the wire: an upload slot released then would limit nothing."""
+    request = getattr(termios, "TIOCOUTQ", None)
+    if request is None:  # no way to ask on this platform: the slot then limits requests, not bytes
+        return
     deadline = time.monotonic() + give_up_s
     delay = 0.002
     while time.monotonic() < deadline:
         try:
-            queued = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            queued = struct.unpack("i", fcntl.ioctl(conn.fileno(), request, b"\0" * 4))[0]
         except OSError:  # not Linux, or the connection closed: nothing to wait for
             return
         if queued <= low_water:
