@@ -160,15 +160,22 @@ class BroadcastMember:
             raise BroadcastError("this token has no publish right; ask the run's operator for one (token create --publish)")
         if self.server is None:
             raise BroadcastError("a publisher must serve its versions (serve=True)")
+        if version in self.held:
+            raise BroadcastError(f"publish refused: this member already holds {self.kind} version {version}; "
+                                 "versions only go up")
         chunked = lay_out(version, tensors, meta, chunk_bytes=int(self.settings.chunk_mb * (1 << 20)))
         body = {"kind": self.kind, "manifest": chunked.manifest, "port": self.server.port,
                 "host": self.settings.advertise_host}
+        # Served before it is published (the coordinator names this member as a holder at once), announced
+        # by this member only after (a `have` of a version the coordinator does not know is refused).
+        self.server.publish(chunked, self.kind)
         try:
             answer = self.client.post("/v1/broadcast/publish", body)
-        except CoordinatorError as e:
+            if answer["root"] != root_hash(chunked.manifest["chunks"]):
+                raise BroadcastError("the coordinator signed another root hash than this member's; not served")
+        except (CoordinatorError, BroadcastError) as e:
+            self.server.forget(self.kind, version)
             raise BroadcastError(f"publish refused: {e}") from None
-        if answer["root"] != root_hash(chunked.manifest["chunks"]):
-            raise BroadcastError("the coordinator signed another root hash than this member's; not served")
         self._hold(version, chunked)
         log.info("%s version %d published: %.1f MB in %d chunks, root %s", self.kind, version,
                  chunked.manifest["total_bytes"] / 1e6, len(chunked.manifest["chunks"]), answer["root"][:12])

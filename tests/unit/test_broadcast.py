@@ -197,8 +197,15 @@ def test_retention_keeps_the_newest_versions_and_versions_only_go_up(run):
             target, _ = relay.fetch()
             assert target.version == version and target.tensors()["v"][0] == version
         assert sorted(relay.held) == [2, 3] and not (tmp / "relay" / "policy" / "v00000001").exists()
-        with pytest.raises(BroadcastError, match="not newer than the published 3"):
+        with pytest.raises(BroadcastError, match="already holds policy version 2"):
             origin.publish(2, {"v": torch.zeros(10)})
+        fresh_origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin2", SETTINGS)
+        try:  # the coordinator is the judge for a publisher that never held it
+            with pytest.raises(BroadcastError, match="not newer than the published 3"):
+                fresh_origin.publish(2, {"v": torch.zeros(10)})
+            assert fresh_origin.server.versions("policy") == []  # nothing left served
+        finally:
+            fresh_origin.stop()
     finally:
         origin.stop()
         relay.stop()
