@@ -34,7 +34,7 @@ def main() -> int:
     import shardcast
 
     # Shardcast's downloader measures each server by fetching `data1.bin` from it first and fails without
-    # it ("TODO: make file creation automatic for non-leaf nodes" in its client.py): servers must have one.
+    # it (its client.py notes that making the file automatically is still to do): servers must have one.
     if args.role in ("origin", "middle"):
         os.makedirs(args.data_dir, exist_ok=True)
         with open(os.path.join(args.data_dir, "data1.bin"), "wb") as f:
