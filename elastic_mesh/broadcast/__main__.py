@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s.%(msecs)03d [broadcast] %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("urllib3").setLevel(logging.INFO)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -125,13 +124,12 @@ def main(argv: list[str] | None = None) -> int:
             _serve_publisher(member, args, stop)
         elif args.command == "fetch":
             only = _restriction(args)
-            manifest = _wait_manifest(member, args.version, args.wait_s, stop)
-            started = time.monotonic()
+            manifest = _wait_manifest(member, args.version, args.wait_s)
             target, report = member.fetch(manifest=manifest, only=only)
             for b in bar:
                 b.close()
             log.info("%s %d fetched and verified: %.1f MB in %.2f s from %d source(s)%s", args.kind, target.version,
-                     report.total_bytes / 1e6, time.monotonic() - started, len(report.bytes_from),
+                     report.total_bytes / 1e6, report.seconds, len(report.bytes_from),
                      f"; bad chunks from {', '.join(report.corrupt)}" if report.corrupt else "")
             result.update(version=target.version, bytes=report.total_bytes, seconds=report.seconds,
                           finished_at=time.time(), bytes_from=report.bytes_from, corrupt=report.corrupt,
@@ -168,7 +166,7 @@ def _restriction(args):
     return None
 
 
-def _wait_manifest(member: BroadcastMember, version: int | None, wait_s: float, stop: threading.Event) -> dict:
+def _wait_manifest(member: BroadcastMember, version: int | None, wait_s: float) -> dict:
     if version is not None or wait_s <= 0:
         return member.manifest(version)
     log.info("waiting up to %.0f s for a %s version to be published", wait_s, member.kind)
