@@ -21,7 +21,10 @@ from pydantic import BaseModel
 from elastic_mesh.broadcast.member import BroadcastSettings
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from prime.config import JobConfig
+from prime.inference.sampling import SamplingParams
 from prime.testing.faults import PREFIX, FaultConfig
+from prime.verify.proof import ProofSettings
+from prime.verify.thresholds import ToplocThresholds
 
 BEGIN = "<!-- BEGIN GENERATED: python -m prime.tools.config_reference --write docs/configuration.md -->"
 END = "<!-- END GENERATED -->"
@@ -39,6 +42,8 @@ def _type_name(annotation: object) -> str:
 
 
 def _default(field) -> str:
+    if field.is_required():
+        return "required"
     value = field.default if field.default_factory is None else field.default_factory()
     return f"`{value!r}`"
 
@@ -73,6 +78,16 @@ def generate() -> str:
     out += ["### Broadcast members (`python -m elastic_mesh.broadcast {publish,fetch,relay}`)", "",
             (BroadcastSettings.__doc__ or "").strip(), ""]
     out += _table(BroadcastSettings, lambda name: "--" + name.replace("_", "-")) + [""]
+    out += ["### TOPLOC thresholds (`<model dir>/toploc.json`, written by `python -m prime.verify.calibrate`)", "",
+            (ToplocThresholds.__doc__ or "").strip() + " Measured, never edited by hand: the calibration "
+            "records its honest maxima, margin and conditions beside them.", ""]
+    out += _table(ToplocThresholds, lambda name: name) + [""]
+    out += ["### Proof shape (`proof` in toploc.json; `--chunk-tokens`, `--topk` of the calibration)", "",
+            (ProofSettings.__doc__ or "").strip(), ""]
+    out += _table(ProofSettings, lambda name: name) + [""]
+    out += ["### Sampling (per request, assigned by the trusted side; checked by the verifier)", "",
+            (SamplingParams.__doc__ or "").strip(), ""]
+    out += _table(SamplingParams, lambda name: name) + [""]
     out += ["### Fault injection (`prime.train --chaos.KEY VALUE`; tests and the chaos harness only)", "",
             (FaultConfig.__doc__ or "").strip() + " Not part of the job's config: its fingerprint and "
             "`config.json` never see these.", ""]

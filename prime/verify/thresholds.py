@@ -1,0 +1,80 @@
+"""TOPLOC thresholds: measured by `prime.verify.calibrate` on honest generations, stored next to the
+model (`<model dir>/toploc.json`), read by the verifier. No threshold is a constant in the code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prime.verify.proof import ProofSettings
+
+FILENAME = "toploc.json"
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class HonestMaxima(BaseModel):
+    """The largest honest deviation seen, per statistic, before the margin is applied."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exponent_mismatches: int = Field(ge=0)
+    mantissa_mean: float = Field(ge=0)
+    rollout_mantissa_mean: float = Field(ge=0)
+    logit_noise: float = Field(ge=0)
+    logprob_noise: float = Field(ge=0)
+
+
+class Calibration(BaseModel):
+    """Where the thresholds came from, so an operator can tell whether they fit the workers' hardware."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    date: str
+    torch: str
+    device: str
+    chunks: int = Field(gt=0, description="Honest chunk proofs measured.")
+    tokens: int = Field(gt=0)
+    conditions: list[str] = Field(description="Thread counts, batch sizes, dtypes, prompt lengths tried.")
+    margin: float = Field(gt=1)
+    honest_maxima: HonestMaxima
+
+
+class ToplocThresholds(BaseModel):
+    """What an honest worker's rollout may deviate from the verifier's recomputation, at most."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    proof: ProofSettings = Field(description="The shape of the proofs these thresholds were measured for.")
+    compute_dtypes: list[ComputeDtype] = Field(description="Worker compute dtypes the calibration covered; "
+                                               "anything else is rejected by the activation check.")
+    exponent_mismatches: int = Field(ge=0, description="Per chunk: top-k positions whose proof value has "
+                                     "another sign or exponent.")
+    mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs.")
+    rollout_mantissa_mean: float = Field(ge=0, description="The same mean over all chunks of a rollout; "
+                                         "tighter, because honest noise averages out and a changed model does not.")
+    logit_noise: float = Field(gt=0, description="Bound δ on |logit difference|; the sampling check allows "
+                               "a score gap of 2δ/T between the claimed token and the seed's pick.")
+    logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1 "
+                                 "(divided by T at other temperatures).")
+    calibration: Calibration = Field(description="Where the thresholds came from: date, torch, device, chunks, conditions, margin, honest maxima.")
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ToplocThresholds":
+        path = Path(model_dir) / FILENAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no TOPLOC thresholds at {path}; measure them on this model with "
+                                    f"`python -m prime.verify.calibrate --model {model_dir}`")
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except ValueError as error:
+            raise ValueError(f"{path} is not a valid thresholds file: {error}") from error
+
+    def save(self, model_dir: str | Path) -> Path:
+        path = Path(model_dir) / FILENAME
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(self.model_dump_json(indent=2) + "\n")
+        temporary.replace(path)
+        return path

@@ -1,0 +1,246 @@
+"""Checks a worker's rollout against one prefill pass of the claimed model version.
+
+Named outcomes, in the order they are checked:
+- format: the claim is well-formed (token ids, lengths, proof size, finite logprobs).
+- termination: it ends at the length limit, or at an EOS that the seed's sampler picks there.
+- activations: each chunk's TOPLOC proof matches the recomputed final hidden states within the
+  calibrated thresholds (another model, quantized or stale weights, another precision fail here).
+- sampling: every other token is the seed's pick from the recomputed logits under the claimed temperature
+  and top-p, up to a score gap that the calibrated logit noise allows.
+- logprobs: the reported logprobs equal the recomputed ones within the calibrated noise.
+A rollout is accepted only if all pass; every failed check says where and by how much.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from prime.inference import sampling
+from prime.inference.engine import Completion
+from prime.verify.proof import ChunkComparison, ProofSettings, compare, split_proof
+from prime.verify.thresholds import ToplocThresholds
+
+CHECKS = ("format", "termination", "activations", "sampling", "logprobs")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A rollout to verify: what the orchestrator assigned (prompt, seed, sampling) and what the worker returned."""
+
+    prompt: list[int]
+    seed: int
+    sampling: sampling.SamplingParams
+    completion: Completion
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class Verdict:
+    checks: list[Check]
+    chunks: list[ChunkComparison] = field(default_factory=list)
+    sampling_gap: float = 0.0  # largest score gap of a claimed token below the seed's pick
+    logprob_error: float = 0.0
+
+    @property
+    def accepted(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def rejected_by(self) -> list[str]:
+        return [check.name for check in self.checks if not check.passed]
+
+    @property
+    def reason(self) -> str:
+        failed = [f"{check.name}: {check.detail}" for check in self.checks if not check.passed]
+        return "; ".join(failed) if failed else "accepted"
+
+
+class Verifier:
+    """Holds the claimed version's model (computing in float32) and its calibrated thresholds."""
+
+    def __init__(self, model: PreTrainedModel, thresholds: ToplocThresholds, eos_id: int, batch_size: int = 8) -> None:
+        if next(model.parameters()).dtype != torch.float32:
+            raise ValueError("the verifier recomputes in float32, the precision the thresholds were measured against")
+        self.model = model.eval()
+        self.thresholds = thresholds
+        self.eos_id = eos_id
+        self.batch_size = batch_size
+
+    def verify(self, claims: Sequence[Claim]) -> list[Verdict]:
+        verdicts: list[Verdict | None] = [None] * len(claims)
+        well_formed = []
+        for i, claim in enumerate(claims):
+            problem = self._format_problem(claim)
+            if problem:
+                verdicts[i] = Verdict([Check("format", False, problem)])
+            else:
+                well_formed.append(i)
+        # Similar lengths share a batch: less padding to compute through.
+        well_formed.sort(key=lambda i: len(claims[i].prompt) + len(claims[i].completion.tokens))
+        for start in range(0, len(well_formed), self.batch_size):
+            batch = well_formed[start:start + self.batch_size]
+            for i, verdict in zip(batch, self._verify_batch([claims[i] for i in batch])):
+                verdicts[i] = verdict
+        return verdicts  # type: ignore[return-value]
+
+    def _format_problem(self, claim: Claim) -> str:
+        completion, vocab = claim.completion, self.model.config.vocab_size
+        tokens, settings = completion.tokens, self.thresholds.proof
+        if not tokens:
+            return "empty completion"
+        if len(tokens) > claim.sampling.max_tokens:
+            return f"{len(tokens)} tokens, more than the limit {claim.sampling.max_tokens}"
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in tokens):
+            return f"a token id outside the vocabulary [0, {vocab})"
+        if len(claim.prompt) + len(tokens) > self.model.config.max_position_embeddings:
+            return "prompt and completion are longer than the model's context"
+        if len(completion.logprobs) != len(tokens) or not all(math.isfinite(x) and x <= 0 for x in completion.logprobs):
+            return f"{len(completion.logprobs)} logprobs for {len(tokens)} tokens, or one not finite and ≤ 0"
+        if self.eos_id in tokens[:-1]:
+            return f"EOS at token {tokens.index(self.eos_id)} with tokens after it"
+        ends_with_eos = tokens[-1] == self.eos_id
+        if completion.finish_reason != ("eos" if ends_with_eos else "length"):
+            return f"finish reason {completion.finish_reason!r} does not match the tokens"
+        expected = settings.chunks_for(len(tokens)) * settings.chunk_bytes
+        if len(completion.proof) != expected:
+            return f"proof is {len(completion.proof)} bytes; {len(tokens)} tokens need {expected}"
+        return ""
+
+    def _verify_batch(self, claims: list[Claim]) -> list[Verdict]:
+        try:
+            recomputed = recompute(self.model, claims, self.thresholds.proof)
+        except ValueError as error:  # a proof that is not a proof: field residues out of range
+            return [Verdict([Check("format", False, f"unreadable proof ({error})")]) for _ in claims]
+        return [self._judge(claim, logits, chunks) for claim, (logits, chunks) in zip(claims, recomputed)]
+
+    def _judge(self, claim: Claim, logits: torch.Tensor, chunks: list[ChunkComparison]) -> Verdict:
+        t = self.thresholds
+        completion, params = claim.completion, claim.sampling
+        tokens = torch.tensor(completion.tokens, device=logits.device)
+        temperature = params.temperature or 1.0
+        score_tolerance = 2 * t.logit_noise / temperature
+
+        gaps, outside = self._sampling_gaps(logits, tokens, claim.seed, params, score_tolerance)
+        bad = [j for j in range(len(tokens)) if outside[j] or gaps[j] > score_tolerance]
+        ends_with_eos = completion.finish_reason == "eos"
+        checks = []
+        if ends_with_eos and bad and bad[-1] == len(tokens) - 1:
+            j = bad.pop()
+            eos_probability = float(torch.softmax(logits[j] / temperature, -1)[self.eos_id])
+            checks.append(Check("termination", False, f"ends with EOS at token {j}, where the model gives EOS "
+                                f"probability {eos_probability:.2g} and the seed picks token "
+                                f"{int(logits[j].argmax()) if params.temperature == 0 else self._pick(logits[j], claim.seed, j, params)}"))
+        elif not ends_with_eos and len(tokens) != params.max_tokens:
+            checks.append(Check("termination", False, f"stops after {len(tokens)} tokens without EOS, "
+                                f"before the limit {params.max_tokens}"))
+        else:
+            checks.append(Check("termination", True))
+
+        checks.append(self._activation_check(chunks))
+
+        if bad:
+            j = bad[0]
+            what = (f"outside the top-p {params.top_p} nucleus" if outside[j]
+                    else f"{gaps[j]:.3g} below the seed's pick (tolerance {score_tolerance:.2g})")
+            checks.append(Check("sampling", False, f"{len(bad)} of {len(tokens)} tokens are not the seed's picks "
+                                f"at temperature {params.temperature}, top-p {params.top_p}; first at token {j} "
+                                f"(id {completion.tokens[j]}): {what}"))
+        else:
+            checks.append(Check("sampling", True))
+
+        recomputed = sampling.logprobs(logits, tokens, params)
+        error = (torch.tensor(completion.logprobs, device=logits.device) - recomputed).abs()
+        tolerance = t.logprob_noise / temperature
+        worst = int(error.argmax())
+        if float(error[worst]) > tolerance:
+            checks.append(Check("logprobs", False, f"{int((error > tolerance).sum())} reported logprobs differ from "
+                                f"the recomputed ones; worst at token {worst}: {completion.logprobs[worst]:.5f} "
+                                f"against {float(recomputed[worst]):.5f} (tolerance {tolerance:.2g})"))
+        else:
+            checks.append(Check("logprobs", True))
+        finite_gaps = [g for g in gaps if math.isfinite(g)]
+        return Verdict(checks, chunks, max(finite_gaps, default=0.0), float(error.max()))
+
+    def _activation_check(self, chunks: list[ChunkComparison]) -> Check:
+        t = self.thresholds
+        for index, chunk in enumerate(chunks):
+            tokens = f"tokens {index * t.proof.chunk_tokens}–{(index + 1) * t.proof.chunk_tokens - 1}"
+            if chunk.exponent_mismatches > t.exponent_mismatches:
+                return Check("activations", False, f"chunk {index} ({tokens}): {chunk.exponent_mismatches} of "
+                             f"{t.proof.topk} top-k values differ in sign or exponent (threshold {t.exponent_mismatches})")
+            if chunk.mantissa_mean > t.mantissa_mean:
+                return Check("activations", False, f"chunk {index} ({tokens}): mean mantissa difference "
+                             f"{chunk.mantissa_mean:.3g} ULP (threshold {t.mantissa_mean:.3g})")
+        matched = sum(c.matched for c in chunks)
+        overall = sum(c.mantissa_sum for c in chunks) / max(matched, 1)
+        if overall > t.rollout_mantissa_mean:
+            return Check("activations", False, f"mean mantissa difference over the rollout {overall:.3g} ULP "
+                         f"(threshold {t.rollout_mantissa_mean:.3g})")
+        return Check("activations", True)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, seed: int, position: int, params: sampling.SamplingParams) -> int:
+        return int(sampling.sample(logits[None], torch.tensor([seed]), torch.tensor([position]), params)[0])
+
+    @staticmethod
+    def _sampling_gaps(logits: torch.Tensor, tokens: torch.Tensor, seed: int, params: sampling.SamplingParams,
+                       score_tolerance: float) -> tuple[list[float], list[bool]]:
+        """Per token: how far its score lies below the best score among tokens that are in the nucleus
+        however the logits' noise falls, and whether it lies outside every nucleus that noise allows."""
+        rows = len(tokens)
+        seeds = torch.full((rows,), seed, dtype=torch.int64, device=logits.device)
+        positions = torch.arange(rows, device=logits.device)
+        unrestricted = params.model_copy(update={"top_p": 1.0})
+        score = sampling.scores(logits, seeds, positions, unrestricted)
+        if params.temperature > 0 and params.top_p < 1.0:
+            # A probability moves by at most a factor exp(score_tolerance) when every logit moves by δ.
+            above = sampling.nucleus_mass_above(torch.softmax(logits.double() / params.temperature, -1))
+            surely_in = above * math.exp(score_tolerance) < params.top_p
+            maybe_in = above * math.exp(-score_tolerance) < params.top_p
+        else:
+            surely_in = maybe_in = torch.ones_like(score, dtype=torch.bool)
+        best = score.masked_fill(~surely_in, float("-inf")).max(-1).values
+        claimed = score.gather(-1, tokens[:, None])[:, 0]
+        gaps = (best - claimed).clamp(min=0).tolist()
+        outside = (~maybe_in.gather(-1, tokens[:, None])[:, 0]).tolist()
+        return gaps, outside
+
+
+@torch.no_grad()
+def recompute(model: PreTrainedModel, claims: Sequence[Claim], settings: ProofSettings) -> list[tuple[torch.Tensor, list[ChunkComparison]]]:
+    """One prefill pass over well-formed claims: per claim, the logits that chose each completion
+    token ([tokens, vocab], float32) and each chunk proof compared with the recomputed states."""
+    sequences = [c.prompt + c.completion.tokens for c in claims]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(claims), width, dtype=torch.int64)
+    for row, sequence in enumerate(sequences):
+        ids[row, :len(sequence)] = torch.tensor(sequence)
+    device = next(model.parameters()).device
+    # Right padding under causal attention: no real position ever sees a pad, so no mask is needed,
+    # and without one attention takes its fused causal kernel.
+    hidden = model.model(input_ids=ids.to(device)).last_hidden_state
+    # The state at position p predicts token p + 1: a completion's token j comes from prompt_len - 1 + j.
+    states = [hidden[row, len(c.prompt) - 1:len(c.prompt) - 1 + len(c.completion.tokens)]
+              for row, c in enumerate(claims)]
+    chunk_states, owners = [], []
+    for row, state in enumerate(states):
+        count = settings.chunks_for(len(state))
+        padded = torch.zeros(count * settings.chunk_tokens, state.shape[1], device=state.device)
+        padded[:len(state)] = state
+        chunk_states.append(padded.view(count, settings.chunk_tokens, -1))
+        owners += [row] * count
+    chunk_proofs = [proof for c in claims for proof in split_proof(c.completion.proof, settings)]
+    comparisons = compare(chunk_proofs, torch.cat(chunk_states), settings)
+    return [(model.lm_head(state).float(), [c for c, owner in zip(comparisons, owners) if owner == row])
+            for row, state in enumerate(states)]
