@@ -1,4 +1,4 @@
-"""GPU smoke test: the CUDA path end to end on one GPU, in about 5 minutes, in three independent parts.
+"""GPU smoke test: the CUDA path end to end on one GPU, in about 8 minutes, in four independent parts.
 
 - codec:  the int8 and bf16 wire codecs on CUDA tensors: encode+decode throughput, error, and whether
           a GPU and a CPU member turn the same values into the same bytes and floats (they must: every
@@ -8,11 +8,16 @@
 - diloco: `launch/local.py` with two DiLoCo nodes sharing the GPU (each its own torchrun and NCCL
           group, the global Gloo group and int8 all-reduce between them); passes when every node's model
           is bit-identical after every committed outer step.
+- toploc: TOPLOC on CUDA with the policy given by --policy (an HF directory calibrated on CPU): honest
+          rollouts generated on the GPU and verified on the CPU with the CPU's thresholds (does
+          calibration carry across devices?); calibration on the GPU for float32 and bfloat16 workers;
+          the attack suite and the v-1 sweep against those thresholds; proof-building overhead and
+          verify/generate on a 1B-shape model (random weights, bf16 worker, float32 verifier).
 
 Each part prints one line; a failing part does not stop the others. `--out FILE` writes them as JSON.
 Cannot run without a GPU.
 
-    python launch/gpu_smoke.py [--parts codec,train,diloco] [--steps 200] [--run-dir runs/gpu-smoke] [--out F]
+    python launch/gpu_smoke.py [--parts codec,train,diloco,toploc] [--steps 200] [--policy DIR] [--out F]
 """
 
 from __future__ import annotations
@@ -131,18 +136,137 @@ def part_diloco(run_dir: Path) -> dict:
     return {"ok": ok, "line": line, "committed": committed}
 
 
+def part_toploc(policy: Path, work: Path, device: str = "cuda", cost_shape: dict | None = None) -> dict:
+    """`device` and `cost_shape` let a CPU dry run exercise the same code with a small model."""
+    import copy
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from prime.core.model import ModelConfig, build_model
+    from prime.inference.engine import GenerationRequest
+    from prime.inference.hf_engine import HFEngine, eos_id_of, load_hf_policy
+    from prime.inference.sampling import SamplingParams
+    from prime.testing.tiny_policy import next_version
+    from prime.testing.toploc_attacks import (
+        ATTACKS,
+        AttackContext,
+        honest_claims,
+        int8_weights,
+    )
+    from prime.verify.calibrate import calibrate, corpus_prompts, generate_claims
+    from prime.verify.proof import ProofSettings
+    from prime.verify.thresholds import ToplocThresholds
+    from prime.verify.verifier import Claim, Verifier
+
+    out: dict = {}
+    tokenizer = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    cpu_thresholds = ToplocThresholds.load(policy)
+    proof = cpu_thresholds.proof
+    gpu_model = load_hf_policy(policy, torch.float32, device)
+    eos = eos_id_of(gpu_model)
+
+    # 1. A GPU worker, a CPU verifier with the CPU's calibration.
+    claims = honest_claims(gpu_model, tokenize, proof, eos, seed=31)
+    cpu_verdicts = Verifier(load_hf_policy(policy), cpu_thresholds, eos).verify(claims)
+    rejected = [v for v in cpu_verdicts if not v.accepted]
+    out["gpu_worker_cpu_verifier"] = {"rollouts": len(claims), "rejected": len(rejected),
+                                      "by_check": {c: sum(c in v.rejected_by for v in rejected) for c in
+                                                   ("activations", "sampling", "logprobs", "termination")},
+                                      "examples": [v.reason[:200] for v in rejected[:3]]}
+    print(f"toploc: GPU worker, CPU verifier, CPU thresholds: {len(rejected)}/{len(claims)} rejected", flush=True)
+
+    # 2. Calibration on the GPU for float32 and bfloat16 workers.
+    gpu_dir = work / "policy-gpu"
+    shutil.rmtree(gpu_dir, ignore_errors=True)
+    shutil.copytree(policy, gpu_dir)
+    started = time.perf_counter()
+    thresholds = calibrate(gpu_dir, ["float32", "bfloat16"], [1], [1, 16, 64], 32, 128, 2.0, 0, proof, device=device)
+    thresholds.save(gpu_dir)
+    out["gpu_calibration"] = {"seconds": round(time.perf_counter() - started, 1), "chunks": thresholds.calibration.chunks,
+                              "maxima": {d: m.model_dump() for d, m in thresholds.calibration.honest_maxima.items()},
+                              "limits": {d: m.model_dump() for d, m in thresholds.limits.items()}}
+    print(f"toploc: GPU calibration {out['gpu_calibration']}", flush=True)
+
+    # 3. Honest and dishonest workers against the GPU thresholds (the verifier on the GPU too).
+    model = next_version(gpu_model, lr=1e-5)
+    verifier = Verifier(model, thresholds, eos)
+    honest = honest_claims(model, tokenize, proof, eos, seed=77)
+    bf16 = honest_claims(copy.deepcopy(model).to(torch.bfloat16), tokenize, proof, eos, seed=78)
+    chunks = sum(proof.chunks_for(len(c.completion.tokens)) for c in honest + bf16)
+    false = [v.reason[:200] for v in verifier.verify(honest + bf16) if not v.accepted]
+    out["honest"] = {"chunks": chunks, "false_rejects": len(false), "examples": false[:3]}
+    sampling = SamplingParams(temperature=1.0, top_p=0.8, max_tokens=96)
+    requests = [GenerationRequest(p, seed=9000 + i, sampling=sampling)
+                for i, p in enumerate(corpus_prompts(tokenize, 16, seed=77))]
+    context = AttackContext(model, gpu_model, generate_claims(model, requests, 16, 1, proof, eos_id=eos), proof, eos)
+    attacks = {}
+    for attack in ATTACKS:
+        verdicts = verifier.verify(attack.forge(context))
+        attacks[attack.name] = f"{sum(attack.expected_check in v.rejected_by for v in verdicts)}/{len(verdicts)}"
+    out["attacks"] = attacks
+    # How small a change each worker dtype's limits still see: v-1 claimed as v, and int8 weights,
+    # generated in float32 and in bfloat16 (each held to its own dtype's limits).
+    sweep = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        stale = copy.deepcopy(gpu_model).to(dtype)
+        for lr in (1e-3, 1e-4, 1e-5, 1e-6):
+            probe = Verifier(next_version(gpu_model, lr=lr), thresholds, eos)
+            verdicts = probe.verify(context.regenerate(stale))
+            sweep[f"{dtype} v-1 lr {lr:g}"] = f"{sum(not v.accepted for v in verdicts)}/{len(verdicts)}"
+        verdicts = verifier.verify(context.regenerate(int8_weights(model).to(dtype)))
+        sweep[f"{dtype} int8"] = f"{sum(not v.accepted for v in verdicts)}/{len(verdicts)}"
+    out["floor"] = sweep
+    print(f"toploc: honest {out['honest']}, attacks {attacks}, floor {sweep}", flush=True)
+
+    # 4. Cost on a 1B-shape model: bf16 worker at batch 64, float32 verifier.
+    shape = ModelConfig(**(cost_shape or dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16,
+                                              num_heads=16, num_kv_heads=8, max_position_embeddings=1024)))
+    reference = build_model(shape, seed=0, device=device).eval()
+    worker = build_model(shape, seed=0, device=device).to(torch.bfloat16).eval()
+    engine = HFEngine(worker, eos_id=shape.vocab_size - 1, proof=ProofSettings())
+    requests = [GenerationRequest([int(t) % 31999 for t in corpus_prompts(tokenize, 1, seed=i)[0]], seed=i,
+                                  sampling=SamplingParams(max_tokens=256)) for i in range(64)]
+    engine.generate(requests[:8])
+    engine.stats.total_s = engine.stats.proof_s = engine.stats.tokens = 0
+    completions = engine.generate(requests)
+    claims = [Claim(r.prompt, r.seed, r.sampling, c) for r, c in zip(requests, completions)]
+    big_verifier = Verifier(reference, thresholds, eos_id=shape.vocab_size - 1, batch_size=16)
+    recompute_started = time.perf_counter()
+    big_verifier.verify(claims)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    verify_s = time.perf_counter() - recompute_started
+    out["cost_1b"] = {"tokens": engine.stats.tokens, "generate_s": round(engine.stats.total_s, 2),
+                      "proof_share_pct": round(100 * engine.stats.proof_s / engine.stats.total_s, 3),
+                      "verify_over_generate": round(verify_s / engine.stats.total_s, 4)}
+    print(f"toploc: 1B-shape cost {out['cost_1b']}", flush=True)
+    detected = sum(a.split("/")[0] == a.split("/")[1] for a in attacks.values())
+    ok = out["honest"]["false_rejects"] == 0 and detected == len(attacks)
+    line = (f"toploc: GPU worker vs CPU thresholds {len(rejected)}/{len(claims)} rejected; GPU-calibrated: "
+            f"false rejects {len(false)}/{chunks} chunks, attacks {detected}/{len(attacks)}, 1B bf16 proof {out['cost_1b']['proof_share_pct']}% verify/generate "
+            f"{out['cost_1b']['verify_over_generate']}")
+    return {"ok": ok, "line": line, **out}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="example: python launch/gpu_smoke.py --parts codec,train --steps 200")
-    parser.add_argument("--parts", default="codec,train,diloco", help="comma-separated: codec, train, diloco")
+    parser.add_argument("--parts", default="codec,train,diloco", help="comma-separated: codec, train, diloco, toploc")
+    parser.add_argument("--policy", type=Path, default=None,
+                        help="toploc part: an HF policy directory with a CPU toploc.json (from prime.verify.calibrate)")
     parser.add_argument("--steps", type=int, default=200, help="inner steps of the train part (default 200)")
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / "gpu-smoke")
     parser.add_argument("--out", type=Path, default=None, help="write every part's result here as JSON")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"codec", "train", "diloco"}
+    unknown = set(parts) - {"codec", "train", "diloco", "toploc"}
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; choose from codec, train, diloco")
+        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; choose from codec, train, diloco, toploc")
+    if "toploc" in parts and args.policy is None:
+        parser.error("the toploc part needs --policy DIR")
     import torch
 
     if not torch.cuda.is_available():
@@ -152,7 +276,8 @@ def main() -> int:
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
     results: dict[str, dict] = {}
     runners = {"codec": part_codec, "train": lambda: part_train(args.steps, args.run_dir / "train"),
-               "diloco": lambda: part_diloco(args.run_dir / "diloco")}
+               "diloco": lambda: part_diloco(args.run_dir / "diloco"),
+               "toploc": lambda: part_toploc(args.policy, args.run_dir / "toploc")}
     for part in parts:
         try:
             results[part] = runners[part]()

@@ -32,6 +32,7 @@ class Completion:
     logprobs: list[float]  # log p of each token at the sampling temperature (see sampling.logprobs)
     finish_reason: Literal["eos", "length"]
     proof: bytes  # TOPLOC chunk proofs, concatenated
+    compute_dtype: str = "float32"  # what the worker says it computed in; held to that dtype's limits
     logits: torch.Tensor | None = None  # [tokens, vocab] float32, only when asked for (calibration)
 
 

@@ -26,9 +26,18 @@ def load_hf_policy(path: str | Path, dtype: torch.dtype = torch.float32, device:
     location = Path(path)
     if not (location / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, attn_implementation="sdpa",
-                                                 local_files_only=True)
+    # transformers renamed torch_dtype to dtype (4.56); pyproject allows versions on both sides.
+    dtype_argument = "dtype" if _transformers_version() >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(location, attn_implementation="sdpa", local_files_only=True,
+                                                 **{dtype_argument: dtype})
     return model.to(device).eval()
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def eos_id_of(model: PreTrainedModel) -> int:
@@ -137,7 +146,7 @@ class HFEngine:
             length = length or request.sampling.max_tokens
             completions.append(Completion(
                 tokens=row_tokens[:length], logprobs=logprob_table[row, :length].tolist(), finish_reason=finish,
-                proof=proofs[row],
+                proof=proofs[row], compute_dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 logits=torch.stack([step_logits[row] for step_logits in logits_kept[:length]]).cpu()
                 if self.record_logits else None,
             ))

@@ -114,7 +114,7 @@ def next_version(model: torch.nn.Module, lr: float, seed: int = 0, seq_len: int 
     data = training_tokens(ByteTokenizer(), limit=200_000)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=generator)
-    tokens = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+    tokens = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).to(next(model.parameters()).device)
     logits = newer(input_ids=tokens[:, :-1]).logits
     torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
     torch.optim.AdamW(newer.parameters(), lr=lr).step()

@@ -74,12 +74,13 @@ def _request_of(claim: Claim, sampling_update: dict | None):
 @torch.no_grad()
 def prove_by_prefill(model: torch.nn.Module, claim: Claim, tokens: list[int], proof: ProofSettings) -> Completion:
     """A completion for arbitrary tokens whose proof and logprobs are what `model` computes for them."""
-    sequence = torch.tensor([claim.prompt + tokens])
+    device = next(model.parameters()).device
+    sequence = torch.tensor([claim.prompt + tokens], device=device)
     states = model.model(input_ids=sequence).last_hidden_state[0, len(claim.prompt) - 1:len(claim.prompt) - 1 + len(tokens)]
-    builder = ProofBuilder(proof, 1, states.shape[-1], states.device)
+    builder = ProofBuilder(proof, 1, states.shape[-1], device)
     for state in states:
-        builder.add(state[None], torch.ones(1, dtype=torch.bool))
-    lp = sampled_logprobs(model.lm_head(states).float(), torch.tensor(tokens), claim.sampling)
+        builder.add(state[None], torch.ones(1, dtype=torch.bool, device=device))
+    lp = sampled_logprobs(model.lm_head(states).float(), torch.tensor(tokens, device=device), claim.sampling)
     finish = "eos" if tokens[-1] == model.config.eos_token_id else "length"
     return Completion(tokens=tokens, logprobs=lp.tolist(), finish_reason=finish, proof=builder.finish()[0])
 
@@ -100,8 +101,13 @@ def _another_model(ctx: AttackContext) -> list[Claim]:
     """Same architecture and shape, initialised from another seed and never trained like the claimed one."""
     with torch.random.fork_rng():
         torch.manual_seed(12345)
-        other = type(ctx.model)(ctx.model.config).eval()
+        other = type(ctx.model)(ctx.model.config).to(next(ctx.model.parameters()).device).eval()
     return ctx.regenerate(other)
+
+
+def _bf16_as_float32(ctx: AttackContext) -> list[Claim]:
+    made = ctx.regenerate(copy.deepcopy(ctx.model).to(torch.bfloat16))
+    return [replace(c, completion=replace(c.completion, compute_dtype="float32")) for c in made]
 
 
 def _edited_token(ctx: AttackContext) -> list[Claim]:
@@ -149,8 +155,7 @@ ATTACKS = [
     Attack("weights of version v-1", "activations", lambda ctx: ctx.regenerate(ctx.previous)),
     Attack("another temperature (1.3 for 1.0)", "sampling", lambda ctx: ctx.regenerate(ctx.model, {"temperature": 1.3})),
     Attack("another top-p (1.0 for 0.8)", "sampling", lambda ctx: ctx.regenerate(ctx.model, {"top_p": 1.0})),
-    Attack("bf16 compute for float32", "activations",
-           lambda ctx: ctx.regenerate(copy.deepcopy(ctx.model).to(torch.bfloat16))),
+    Attack("bf16 compute claimed as float32", "activations", _bf16_as_float32),
     Attack("one token edited (proof rebuilt)", "sampling", _edited_token),
     Attack("proof copied from another rollout", "activations", _copied_proof),
     Attack("fabricated logprobs (+0.01)", "logprobs", _fabricated_logprobs),

@@ -24,7 +24,7 @@ from prime.config import JobConfig
 from prime.inference.sampling import SamplingParams
 from prime.testing.faults import PREFIX, FaultConfig
 from prime.verify.proof import ProofSettings
-from prime.verify.thresholds import ToplocThresholds
+from prime.verify.thresholds import Limits, ToplocThresholds
 
 BEGIN = "<!-- BEGIN GENERATED: python -m prime.tools.config_reference --write docs/configuration.md -->"
 END = "<!-- END GENERATED -->"
@@ -82,6 +82,9 @@ def generate() -> str:
             (ToplocThresholds.__doc__ or "").strip() + " Measured, never edited by hand: the calibration "
             "records its honest maxima, margin and conditions beside them.", ""]
     out += _table(ToplocThresholds, lambda name: name) + [""]
+    out += ["### Limits of one worker compute dtype (`limits.<dtype>` in toploc.json)", "",
+            (Limits.__doc__ or "").strip(), ""]
+    out += _table(Limits, lambda name: name) + [""]
     out += ["### Proof shape (`proof` in toploc.json; `--chunk-tokens`, `--topk` of the calibration)", "",
             (ProofSettings.__doc__ or "").strip(), ""]
     out += _table(ProofSettings, lambda name: name) + [""]

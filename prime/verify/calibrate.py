@@ -29,7 +29,7 @@ from prime.inference.engine import GenerationRequest
 from prime.inference.hf_engine import HFEngine, eos_id_of, load_hf_policy
 from prime.inference.sampling import SamplingParams
 from prime.verify.proof import ProofSettings
-from prime.verify.thresholds import Calibration, HonestMaxima, ToplocThresholds
+from prime.verify.thresholds import Calibration, HonestMaxima, Limits, ToplocThresholds
 from prime.verify.verifier import Claim, recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,7 +96,7 @@ def measure(reference, claims: list[Claim], proof: ProofSettings, verify_batch: 
             mismatches = max(mismatches, *(c.exponent_mismatches for c in chunks))
             chunk_mean = max(chunk_mean, *(c.mantissa_mean for c in chunks))
             rollout_mean = max(rollout_mean, sum(c.mantissa_sum for c in chunks) / max(1, sum(c.matched for c in chunks)))
-            completion = claim.completion
+            completion, logits = claim.completion, logits.cpu()
             logit = max(logit, float((completion.logits - logits).abs().max()))
             temperature = claim.sampling.temperature or 1.0
             recomputed = torch.log_softmax(logits / temperature, -1).gather(
@@ -106,13 +106,13 @@ def measure(reference, claims: list[Claim], proof: ProofSettings, verify_batch: 
                         logit_noise=logit, logprob_noise=logprob)
 
 
-def thresholds_from(maxima: HonestMaxima, margin: float, proof: ProofSettings, reference_logits_scale: float) -> dict:
+def limits_from(maxima: HonestMaxima, margin: float, proof: ProofSettings, logit_scale: float) -> Limits:
     """The margin multiplies every honest maximum; one quantum of each statistic is added on top, so a
     calibration that saw no deviation at all (common on CPU in float32) still tolerates the smallest one
     it could have seen: one more value with another exponent, one more ULP in a chunk, and float32
     rounding of the largest logit."""
-    rounding = reference_logits_scale * torch.finfo(torch.float32).eps
-    return dict(
+    rounding = logit_scale * torch.finfo(torch.float32).eps
+    return Limits(
         exponent_mismatches=math.ceil(margin * maxima.exponent_mismatches) + 1,
         mantissa_mean=margin * maxima.mantissa_mean + 1 / proof.topk,
         rollout_mantissa_mean=margin * maxima.rollout_mantissa_mean + 1 / proof.topk,
@@ -122,37 +122,39 @@ def thresholds_from(maxima: HonestMaxima, margin: float, proof: ProofSettings, r
 
 
 def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_sizes: list[int], rollouts: int,
-              max_tokens: int, margin: float, seed: int, proof: ProofSettings, verify_batch: int = 8) -> ToplocThresholds:
+              max_tokens: int, margin: float, seed: int, proof: ProofSettings, verify_batch: int = 8,
+              device: str = "cpu") -> ToplocThresholds:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    reference = load_hf_policy(model_dir, torch.float32)
+    reference = load_hf_policy(model_dir, torch.float32, device)
     eos_id_of(reference)  # fails early with a clear message if the model names no EOS
     conditions = [Condition(d, t, b) for d, t, b in itertools.product(dtypes, threads, batch_sizes)]
-    totals: list[HonestMaxima] = []
+    measured: dict[str, list[HonestMaxima]] = {dtype: [] for dtype in dtypes}
     chunks = tokens = 0
     logit_scale = 0.0
     for index, condition in enumerate(tqdm(conditions, desc="calibrating", unit="condition")):
-        worker = reference if condition.dtype == "float32" else load_hf_policy(model_dir, DTYPES[condition.dtype])
+        worker = reference if condition.dtype == "float32" else load_hf_policy(model_dir, DTYPES[condition.dtype], device)
         prompts = corpus_prompts(lambda text: tokenizer.encode(text, add_special_tokens=False), rollouts,
                                  seed=seed * 1000 + index)
         claims = generate_claims(worker, requests_for(prompts, seed * 1000 + index, max_tokens),
                                  condition.batch_size, condition.threads, proof, record_logits=True)
         maxima = measure(reference, claims, proof, verify_batch)
         tqdm.write(f"{condition}: {len(claims)} rollouts, honest maxima {maxima.model_dump()}")
-        totals.append(maxima)
+        measured[condition.dtype].append(maxima)
         chunks += sum(proof.chunks_for(len(c.completion.tokens)) for c in claims)
         tokens += sum(len(c.completion.tokens) for c in claims)
         logit_scale = max(logit_scale, *(float(c.completion.logits.abs().max()) for c in claims))
-    worst = HonestMaxima(**{field: max(getattr(m, field) for m in totals) for field in HonestMaxima.model_fields})
+    worst = {dtype: HonestMaxima(**{field: max(getattr(m, field) for m in runs) for field in HonestMaxima.model_fields})
+             for dtype, runs in measured.items()}
     record = Calibration(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
-        device=str(next(reference.parameters()).device), chunks=chunks, tokens=tokens,
+        device=torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", chunks=chunks, tokens=tokens,
         conditions=[str(c) for c in conditions] + [f"prompts of 1-128 tokens, completions up to {max_tokens}",
                                                    "sampling: " + ", ".join(f"T={s.temperature} top-p={s.top_p}" for s in SAMPLINGS)],
         margin=margin, honest_maxima=worst)
-    return ToplocThresholds(proof=proof, compute_dtypes=dtypes, calibration=record,
-                            **thresholds_from(worst, margin, proof, logit_scale))
+    return ToplocThresholds(proof=proof, calibration=record,
+                            limits={dtype: limits_from(m, margin, proof, logit_scale) for dtype, m in worst.items()})
 
 
 def _list(kind):
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=32, help="tokens per chunk proof (default 32)")
     parser.add_argument("--topk", type=int, default=128, help="activations per chunk proof (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling seeds (default 0)")
+    parser.add_argument("--device", default="cpu", help="where workers and the reference run: cpu or cuda "
+                        "(the verifier must then run there too; default cpu)")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
@@ -195,17 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         thresholds = calibrate(args.model, args.dtypes, args.threads, args.batch_sizes, args.rollouts,
                                args.max_tokens, args.margin, args.seed,
-                               ProofSettings(chunk_tokens=args.chunk_tokens, topk=args.topk))
+                               ProofSettings(chunk_tokens=args.chunk_tokens, topk=args.topk), device=args.device)
     except (FileNotFoundError, ValueError) as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 2
     path = thresholds.save(args.model)
     print(f"calibrate: {thresholds.calibration.chunks} honest chunks over {len(thresholds.calibration.conditions) - 2} "
           f"conditions; thresholds written to {path}")
-    print(f"  honest maxima {thresholds.calibration.honest_maxima.model_dump()}")
-    print(f"  thresholds: exponent mismatches {thresholds.exponent_mismatches}, mantissa mean {thresholds.mantissa_mean:.4g} "
-          f"(rollout {thresholds.rollout_mantissa_mean:.4g}), logit noise {thresholds.logit_noise:.3g}, "
-          f"logprob noise {thresholds.logprob_noise:.3g}")
+    for dtype, limits in thresholds.limits.items():
+        maxima = thresholds.calibration.honest_maxima[dtype]
+        print(f"  {dtype} workers: honest maxima {maxima.model_dump()}")
+        print(f"  {dtype} limits: exponent mismatches {limits.exponent_mismatches}, mantissa mean "
+              f"{limits.mantissa_mean:.4g} (rollout {limits.rollout_mantissa_mean:.4g}), logit noise "
+              f"{limits.logit_noise:.3g}, logprob noise {limits.logprob_noise:.3g}")
     return 0
 
 

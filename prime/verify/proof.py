@@ -127,7 +127,7 @@ def split_proof(proof: bytes, settings: ProofSettings) -> list[bytes]:
 def compare(chunk_proofs: list[bytes], states: torch.Tensor, settings: ProofSettings) -> list[ChunkComparison]:
     """chunk_proofs[c] against recomputed states [chunks, chunk_tokens, hidden] (zero-padded past a
     shorter last chunk). Raises ValueError for a proof that is not a proof."""
-    moduli, coefficients = encoding.unpack(chunk_proofs, settings.topk)
+    moduli, coefficients = (t.to(states.device) for t in encoding.unpack(chunk_proofs, settings.topk))
     positions, own = top_values(states, settings.topk)
     claimed = encoding.evaluate(coefficients, positions % moduli[:, None])
     sign_exponent_differs = (claimed >> 10) != (own >> 10)

@@ -27,6 +27,22 @@ class HonestMaxima(BaseModel):
     logprob_noise: float = Field(ge=0)
 
 
+class Limits(BaseModel):
+    """What an honest worker computing in one dtype may deviate from the verifier's float32 recomputation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exponent_mismatches: int = Field(ge=0, description="Per chunk: top-k positions whose proof value has "
+                                     "another sign or exponent.")
+    mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs.")
+    rollout_mantissa_mean: float = Field(ge=0, description="The same mean over all chunks of a rollout; "
+                                         "tighter, because honest noise averages out and a changed model does not.")
+    logit_noise: float = Field(gt=0, description="Bound δ on |logit difference|; the sampling check allows "
+                               "a score gap of 2δ/T between the claimed token and the seed's pick.")
+    logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1 "
+                                 "(divided by T at other temperatures).")
+
+
 class Calibration(BaseModel):
     """Where the thresholds came from, so an operator can tell whether they fit the workers' hardware."""
 
@@ -39,27 +55,23 @@ class Calibration(BaseModel):
     tokens: int = Field(gt=0)
     conditions: list[str] = Field(description="Thread counts, batch sizes, dtypes, prompt lengths tried.")
     margin: float = Field(gt=1)
-    honest_maxima: HonestMaxima
+    honest_maxima: dict[ComputeDtype, HonestMaxima]
 
 
 class ToplocThresholds(BaseModel):
-    """What an honest worker's rollout may deviate from the verifier's recomputation, at most."""
+    """Per worker compute dtype, how far an honest rollout may deviate from the verifier's recomputation.
+
+    A worker says which dtype it computed in; it is held to that dtype's limits, and a dtype the
+    calibration did not cover is refused. So allowing bfloat16 workers (whose honest deviation is
+    hundreds of times a float32 worker's) does not loosen the check on a worker that claims float32.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     proof: ProofSettings = Field(description="The shape of the proofs these thresholds were measured for.")
-    compute_dtypes: list[ComputeDtype] = Field(description="Worker compute dtypes the calibration covered; "
-                                               "anything else is rejected by the activation check.")
-    exponent_mismatches: int = Field(ge=0, description="Per chunk: top-k positions whose proof value has "
-                                     "another sign or exponent.")
-    mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs.")
-    rollout_mantissa_mean: float = Field(ge=0, description="The same mean over all chunks of a rollout; "
-                                         "tighter, because honest noise averages out and a changed model does not.")
-    logit_noise: float = Field(gt=0, description="Bound δ on |logit difference|; the sampling check allows "
-                               "a score gap of 2δ/T between the claimed token and the seed's pick.")
-    logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1 "
-                                 "(divided by T at other temperatures).")
-    calibration: Calibration = Field(description="Where the thresholds came from: date, torch, device, chunks, conditions, margin, honest maxima.")
+    limits: dict[ComputeDtype, Limits] = Field(description="Per allowed worker compute dtype; see Limits.")
+    calibration: Calibration = Field(description="Where the thresholds came from: date, torch, device, chunks, "
+                                     "conditions, margin, honest maxima.")
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ToplocThresholds":

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from prime.inference import sampling
 from prime.inference.engine import Completion
 from prime.verify.proof import ChunkComparison, ProofSettings, compare, split_proof
-from prime.verify.thresholds import ToplocThresholds
+from prime.verify.thresholds import Limits, ToplocThresholds
 
 CHECKS = ("format", "termination", "activations", "sampling", "logprobs")
 
@@ -115,6 +115,9 @@ class Verifier:
         expected = settings.chunks_for(len(tokens)) * settings.chunk_bytes
         if len(completion.proof) != expected:
             return f"proof is {len(completion.proof)} bytes; {len(tokens)} tokens need {expected}"
+        if completion.compute_dtype not in self.thresholds.limits:
+            return (f"compute dtype {completion.compute_dtype!r} is not one this run allows "
+                    f"(calibrated: {', '.join(self.thresholds.limits)})")
         return ""
 
     def _verify_batch(self, claims: list[Claim]) -> list[Verdict]:
@@ -125,8 +128,8 @@ class Verifier:
         return [self._judge(claim, logits, chunks) for claim, (logits, chunks) in zip(claims, recomputed)]
 
     def _judge(self, claim: Claim, logits: torch.Tensor, chunks: list[ChunkComparison]) -> Verdict:
-        t = self.thresholds
         completion, params = claim.completion, claim.sampling
+        t = self.thresholds.limits[completion.compute_dtype]
         tokens = torch.tensor(completion.tokens, device=logits.device)
         temperature = params.temperature or 1.0
         score_tolerance = 2 * t.logit_noise / temperature
@@ -147,7 +150,7 @@ class Verifier:
         else:
             checks.append(Check("termination", True))
 
-        checks.append(self._activation_check(chunks))
+        checks.append(self._activation_check(chunks, t))
 
         if bad:
             j = bad[0]
@@ -172,13 +175,13 @@ class Verifier:
         finite_gaps = [g for g in gaps if math.isfinite(g)]
         return Verdict(checks, chunks, max(finite_gaps, default=0.0), float(error.max()))
 
-    def _activation_check(self, chunks: list[ChunkComparison]) -> Check:
-        t = self.thresholds
+    def _activation_check(self, chunks: list[ChunkComparison], t: Limits) -> Check:
+        settings = self.thresholds.proof
         for index, chunk in enumerate(chunks):
-            tokens = f"tokens {index * t.proof.chunk_tokens}–{(index + 1) * t.proof.chunk_tokens - 1}"
+            tokens = f"tokens {index * settings.chunk_tokens}–{(index + 1) * settings.chunk_tokens - 1}"
             if chunk.exponent_mismatches > t.exponent_mismatches:
                 return Check("activations", False, f"chunk {index} ({tokens}): {chunk.exponent_mismatches} of "
-                             f"{t.proof.topk} top-k values differ in sign or exponent (threshold {t.exponent_mismatches})")
+                             f"{settings.topk} top-k values differ in sign or exponent (threshold {t.exponent_mismatches})")
             if chunk.mantissa_mean > t.mantissa_mean:
                 return Check("activations", False, f"chunk {index} ({tokens}): mean mantissa difference "
                              f"{chunk.mantissa_mean:.3g} ULP (threshold {t.mantissa_mean:.3g})")
@@ -191,7 +194,8 @@ class Verifier:
 
     @staticmethod
     def _pick(logits: torch.Tensor, seed: int, position: int, params: sampling.SamplingParams) -> int:
-        return int(sampling.sample(logits[None], torch.tensor([seed]), torch.tensor([position]), params)[0])
+        seeds, positions = torch.tensor([seed], device=logits.device), torch.tensor([position], device=logits.device)
+        return int(sampling.sample(logits[None], seeds, positions, params)[0])
 
     @staticmethod
     def _sampling_gaps(logits: torch.Tensor, tokens: torch.Tensor, seed: int, params: sampling.SamplingParams,

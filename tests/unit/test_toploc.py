@@ -96,11 +96,12 @@ def test_generation_builds_one_chunk_proof_per_32_tokens_and_ignores_batching(ve
 
 def test_calibration_writes_thresholds_next_to_the_model(policy, tmp_path):
     thresholds = ToplocThresholds.load(policy)
-    maxima = thresholds.calibration.honest_maxima
+    assert list(thresholds.limits) == ["float32"]  # the command's default: float32 workers only
+    maxima, limits = thresholds.calibration.honest_maxima["float32"], thresholds.limits["float32"]
     assert thresholds.calibration.chunks >= 20 and len(thresholds.calibration.conditions) == 4 + 2
-    assert thresholds.exponent_mismatches > maxima.exponent_mismatches
-    assert thresholds.mantissa_mean > maxima.mantissa_mean
-    assert thresholds.logit_noise > maxima.logit_noise > 0  # KV-cache decoding never equals prefill exactly
+    assert limits.exponent_mismatches > maxima.exponent_mismatches
+    assert limits.mantissa_mean > maxima.mantissa_mean
+    assert limits.logit_noise > maxima.logit_noise > 0  # KV-cache decoding never equals prefill exactly
     with pytest.raises(FileNotFoundError, match="prime.verify.calibrate --model"):
         ToplocThresholds.load(tmp_path)
     (tmp_path / "toploc.json").write_text('{"proof": {"topk": 3}}')
@@ -155,6 +156,7 @@ def test_malformed_claims_get_a_format_verdict(attack_context, verifier):
         "EOS in the middle": replace(completion, tokens=[EOS] + completion.tokens[1:]),
         "non-finite logprob": replace(completion, logprobs=[float("nan")] + completion.logprobs[1:]),
         "over the length limit": replace(completion, tokens=completion.tokens * 2, logprobs=completion.logprobs * 2),
+        "a compute dtype the run does not allow": replace(completion, compute_dtype="bfloat16"),
     }
     verdicts = verifier.verify([replace(honest, completion=c) for c in broken.values()])
     for what, verdict in zip(broken, verdicts):
