@@ -3,7 +3,7 @@ that needs a model with real, peaked output distributions rather than a random o
 
 A byte-level Llama trained for a few hundred steps on paragraphs of the built-in corpus, each followed
 by EOS, so it ends completions by itself now and then. Built once per machine into the cache
-(about 40 s on one core) and reused; `policy_versions` adds the weights of the next version(s).
+(about 30 s on one core) and reused; `next_version` makes the weights of the version after it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TinyPolicySpec(BaseModel):
 
     model: ModelConfig = ModelConfig(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4,
                                      num_heads=4, num_kv_heads=2, max_position_embeddings=512)
-    steps: int = Field(200, ge=0)
+    steps: int = Field(120, ge=0)
     batch: int = Field(8, gt=0)
     seq_len: int = Field(128, gt=0)
     lr: float = Field(3e-3, gt=0)
