@@ -1,0 +1,1 @@
+"""Task sources with their own verifiers: the interface and the built-in tasks."""

@@ -1,0 +1,122 @@
+"""GRPO in one process, synchronously (async level 0): generate G completions per prompt with the
+seeded engine, score them with the environment's verifier, normalise within groups, take one step.
+
+The distributed roles (orchestrator, trainer, inference workers) are built from the same pieces; this
+loop is the reference they are measured against and a way to debug a task on one machine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from prime.inference.engine import GenerationRequest
+from prime.inference.hf_engine import HFEngine
+from prime.inference.sampling import SamplingParams
+from prime.rl.environments.base import Environment, Task
+from prime.rl.grpo import GRPOConfig, group_advantages, grpo_loss, token_logprobs
+
+
+class LoopConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(200, gt=0)
+    prompts_per_step: int = Field(16, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    max_tokens: int = Field(9, gt=0, description="Completion limit; the reverse task needs max_digits + 1 (EOS).")
+    eval_every: int = Field(20, gt=0)
+    seed: int = 0
+    grpo: GRPOConfig = GRPOConfig()
+
+
+@dataclass
+class Scored:
+    task: Task
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+
+
+def decode(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def generate_scored(engine: HFEngine, env: Environment, tokenizer, tasks: list[Task], group: int,
+                    sampling: SamplingParams, rng: random.Random) -> list[list[Scored]]:
+    """G completions per task, each with its own seed, scored by the environment."""
+    requests = [GenerationRequest(tokenizer.encode(t.prompt, add_special_tokens=False), rng.getrandbits(63), sampling)
+                for t in tasks for _ in range(group)]
+    completions = engine.generate(requests)
+    scored = [Scored(tasks[i // group], r.prompt, c.tokens, c.logprobs, env.reward(tasks[i // group], decode(tokenizer, c.tokens)))
+              for i, (r, c) in enumerate(zip(requests, completions))]
+    return [scored[i:i + group] for i in range(0, len(scored), group)]
+
+
+def evaluate(engine: HFEngine, env: Environment, tokenizer, tasks: list[Task], max_tokens: int) -> float:
+    """Mean reward of greedy completions on held-out tasks."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    requests = [GenerationRequest(tokenizer.encode(t.prompt, add_special_tokens=False), 0, sampling) for t in tasks]
+    completions = engine.generate(requests)
+    return sum(env.reward(t, decode(tokenizer, c.tokens)) for t, c in zip(tasks, completions)) / len(tasks)
+
+
+def policy_step(model, optimizer, groups: list[list[Scored]], config: GRPOConfig, temperature: float,
+                pad_id: int) -> dict[str, float]:
+    """One optimizer step on the groups that carry signal; returns the log's statistics."""
+    rewards = torch.tensor([[s.reward for s in g] for g in groups])
+    advantages, keep = group_advantages(rewards, config)
+    rows = [(s, float(a)) for g, adv, k in zip(groups, advantages, keep) if k for s, a in zip(g, adv)]
+    stats = {"reward_mean": float(rewards.mean()), "groups_kept": float(keep.float().mean())}
+    if not rows:
+        return stats | {"loss": 0.0}
+    width = max(len(s.prompt) + len(s.tokens) for s, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width - 1)
+    old = torch.zeros(len(rows), width - 1)
+    for i, (s, _) in enumerate(rows):
+        sequence = s.prompt + s.tokens
+        ids[i, :len(sequence)] = torch.tensor(sequence)
+        start = len(s.prompt) - 1  # the position whose logits chose the first completion token
+        mask[i, start:start + len(s.tokens)] = 1
+        old[i, start:start + len(s.tokens)] = torch.tensor(s.logprobs)
+    model.train()
+    logits = model(input_ids=ids).logits[:, :-1]  # right padding, causal: pads are never attended to
+    new = token_logprobs(logits, ids[:, 1:], temperature)
+    with torch.no_grad():
+        probs = torch.softmax(logits.float() / temperature, -1)
+        entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
+    loss, loss_stats = grpo_loss(new, old, torch.tensor([a for _, a in rows]), mask, config, entropy=entropy)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    model.eval()
+    return stats | loss_stats | {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+
+def run(model, tokenizer, env: Environment, config: LoopConfig, log=print) -> list[dict]:
+    """The synchronous loop; returns one record per step (eval reward where evaluated)."""
+    rng = random.Random(config.seed)
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    train = env.tasks("train", config.seed)
+    held_out = list(env.tasks("eval", config.seed))
+    sampling = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens)
+    records, started = [], time.perf_counter()
+    for step in range(config.steps + 1):
+        record = {"step": step, "time_s": round(time.perf_counter() - started, 2)}
+        if step % config.eval_every == 0 or step == config.steps:
+            record["eval_reward"] = evaluate(engine, env, tokenizer, held_out, config.max_tokens)
+            log(f"step {step}: held-out reward {record['eval_reward']:.3f} at {record['time_s']} s")
+        if step < config.steps:
+            groups = generate_scored(engine, env, tokenizer, [next(train) for _ in range(config.prompts_per_step)],
+                                     config.grpo.group_size, sampling, rng)
+            record |= policy_step(model, optimizer, groups, config.grpo, config.temperature, tokenizer.pad_token_id)
+        records.append(record)
+    return records

@@ -1,0 +1,99 @@
+"""GRPO's pieces: group advantages, the two-sided clipped token objective, its normalisation, the KL
+term, and the built-in reverse environment's verifier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prime.inference.sampling import SamplingParams, logprobs
+from prime.rl.environments.reverse import ReverseConfig, ReverseDigits
+from prime.rl.grpo import GRPOConfig, group_advantages, grpo_loss, token_logprobs
+
+
+def test_advantages_are_normalised_within_each_group_and_flat_groups_are_dropped():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.2, 0.4, 0.6, 0.8]])
+    advantages, keep = group_advantages(rewards, GRPOConfig(group_size=4))
+    assert keep.tolist() == [True, False, True]
+    assert advantages[0].tolist() == pytest.approx([1, -1, -1, 1], abs=1e-3)
+    assert advantages[2].mean() == pytest.approx(0, abs=1e-6) and advantages[2].std(unbiased=False) == pytest.approx(1, abs=1e-3)
+
+
+def test_two_sided_clipping_bounds_the_objective_and_stops_the_gradient_where_clipped():
+    config = GRPOConfig(epsilon=0.2, delta=4.0)
+    ratios = torch.tensor([0.5, 1.0, 1.5, 5.0])
+    old = torch.zeros(2, 4)
+    new = torch.log(ratios).repeat(2, 1).requires_grad_(True)
+    advantages = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(new, old, advantages, torch.ones(2, 4), config)
+    # A = +1: min(r, clip(r)) = 0.5, 1.0, 1.2, 1.2; A = -1: -max(r, clip(r)) capped below at -δ = -0.8, -1, -1.5, -4
+    expected = (0.5 + 1.0 + 1.2 + 1.2) + (-0.8 - 1.0 - 1.5 - 4.0)
+    assert loss.item() == pytest.approx(-expected / 8)
+    loss.backward()
+    grad = new.grad
+    assert grad[0, 2] == 0 and grad[0, 3] == 0  # A > 0 and r above 1 + ε: clipped
+    assert grad[1, 3] == 0  # A < 0 and r above δ: capped
+    assert grad[0, 0] < 0 and grad[1, 2] > 0  # unclipped: raise r where A > 0, lower it where A < 0
+    assert stats["ratio_max"] == pytest.approx(5.0) and stats["delta_capped_fraction"] == pytest.approx(1 / 8)
+
+
+def test_the_loss_is_a_mean_over_completion_tokens_not_over_sequences():
+    config = GRPOConfig()
+    new = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 0, 0], [1.0, 1, 1]])
+    loss, _ = grpo_loss(new, new, torch.tensor([1.0, -1.0]), mask, config)
+    assert float(loss) == pytest.approx(-(1 - 3) / 4)  # per token: one +1, three -1
+
+
+def test_kl_to_the_reference_is_zero_at_the_reference_and_positive_elsewhere():
+    config = GRPOConfig(kl_coef=0.1)
+    new = torch.log(torch.tensor([[0.5, 0.2]]))
+    mask = torch.ones(1, 2)
+    _, at_reference = grpo_loss(new, new, torch.tensor([0.0]), mask, config, reference=new)
+    _, elsewhere = grpo_loss(new, new, torch.tensor([0.0]), mask, config, reference=new + 0.3)
+    assert at_reference["kl"] == pytest.approx(0.0) and elsewhere["kl"] > 0
+
+
+def test_training_logprobs_are_the_ones_workers_report():
+    logits = torch.randn(5, 11)
+    tokens = torch.randint(0, 11, (5,))
+    params = SamplingParams(temperature=0.7)
+    assert torch.allclose(token_logprobs(logits, tokens, 0.7), logprobs(logits, tokens, params))
+
+
+def test_reverse_task_scores_positions_and_keeps_held_out_strings_apart():
+    env = ReverseDigits(ReverseConfig(min_digits=4, max_digits=6, eval_tasks=32))
+    task = next(env.tasks("train", seed=0))
+    assert task.prompt == task.answer[::-1] + "="
+    assert env.reward(task, task.answer) == 1.0
+    assert env.reward(task, "") == 0.0
+    half = task.answer[:len(task.answer) // 2] + "x" * (len(task.answer) - len(task.answer) // 2)
+    assert env.reward(task, half) == pytest.approx((len(task.answer) // 2) / len(task.answer))
+    assert env.reward(task, task.answer + "12") < 1.0  # extra digits count against it
+    train = {t.prompt for _, t in zip(range(2000), env.tasks("train", seed=0))}
+    held_out = [t.prompt for t in env.tasks("eval", seed=0)]
+    assert len(held_out) == 32 and not train & set(held_out)
+    assert held_out == [t.prompt for t in env.tasks("eval", seed=0)]  # the same for the same seed
+    with pytest.raises(ValueError):
+        ReverseDigits(ReverseConfig(min_digits=5, max_digits=4))
+
+
+def test_the_synchronous_loop_runs_generate_score_step_on_a_fresh_digit_policy(tmp_path):
+    """Two steps of the reference loop on the built-in task: samples are scored by the environment, the
+    policy moves, and the held-out reward is measured greedily. (That it learns the task is issue 27.)"""
+    from transformers import AutoTokenizer
+
+    from prime.inference.hf_engine import load_hf_policy
+    from prime.rl.loop import LoopConfig, run
+    from prime.rl.policy import new_digit_policy
+
+    directory = new_digit_policy(tmp_path / "policy", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = load_hf_policy(directory)
+    before = [p.detach().clone() for p in model.parameters()]
+    records = run(model, tokenizer, ReverseDigits(ReverseConfig(min_digits=4, max_digits=4, eval_tasks=8)),
+                  LoopConfig(steps=2, prompts_per_step=4, max_tokens=5, eval_every=2), log=lambda _: None)
+    assert [r["step"] for r in records] == [0, 1, 2] and "eval_reward" in records[0] and "eval_reward" in records[2]
+    assert {"reward_mean", "groups_kept", "ratio_mean", "clip_fraction", "entropy", "loss"} <= set(records[0])
+    assert records[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: the worker's logprobs are the trainer's
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
