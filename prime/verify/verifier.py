@@ -49,8 +49,6 @@ class Check:
 class Verdict:
     checks: list[Check]
     chunks: list[ChunkComparison] = field(default_factory=list)
-    sampling_gap: float = 0.0  # largest score gap of a claimed token below the seed's pick
-    logprob_error: float = 0.0
 
     @property
     def accepted(self) -> bool:
@@ -143,7 +141,7 @@ class Verifier:
             eos_probability = float(torch.softmax(logits[j] / temperature, -1)[self.eos_id])
             checks.append(Check("termination", False, f"ends with EOS at token {j}, where the model gives EOS "
                                 f"probability {eos_probability:.2g} and the seed picks token "
-                                f"{int(logits[j].argmax()) if params.temperature == 0 else self._pick(logits[j], claim.seed, j, params)}"))
+                                f"{self._pick(logits[j], claim.seed, j, params)}"))
         elif not ends_with_eos and len(tokens) != params.max_tokens:
             checks.append(Check("termination", False, f"stops after {len(tokens)} tokens without EOS, "
                                 f"before the limit {params.max_tokens}"))
@@ -172,8 +170,7 @@ class Verifier:
                                 f"against {float(recomputed[worst]):.5f} (tolerance {tolerance:.2g})"))
         else:
             checks.append(Check("logprobs", True))
-        finite_gaps = [g for g in gaps if math.isfinite(g)]
-        return Verdict(checks, chunks, max(finite_gaps, default=0.0), float(error.max()))
+        return Verdict(checks, chunks)
 
     def _activation_check(self, chunks: list[ChunkComparison], t: Limits) -> Check:
         settings = self.thresholds.proof
