@@ -5,7 +5,7 @@ export OMP_NUM_THREADS ?= 1
 # Every node, coordinator and helper is a fresh interpreter: let them keep our modules' bytecode (~0.3 s each).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test test-unit bench clean
+.PHONY: setup demo rl-demo test test-unit bench clean
 
 $(VENV)/.installed: pyproject.toml launch/setup_env.sh
 	bash launch/setup_env.sh $(VENV)
@@ -16,6 +16,10 @@ setup: $(VENV)/.installed
 demo: setup
 	rm -rf runs/demo
 	$(PY) launch/local.py --nodes 2 --config configs/cpu-demo.toml --run-dir runs/demo
+
+# RL post-training: coordinator, orchestrator, trainer and 2 verified inference workers (launch/rl_demo.py).
+rl-demo: setup
+	$(PY) launch/rl_demo.py --run-dir runs/rl-demo
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from prime.inference import sampling
@@ -28,6 +29,7 @@ def load_hf_policy(path: str | Path, dtype: torch.dtype = torch.float32, device:
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     # transformers renamed torch_dtype to dtype (4.56); pyproject allows versions on both sides.
     dtype_argument = "dtype" if _transformers_version() >= (4, 56) else "torch_dtype"
+    transformers.utils.logging.disable_progress_bar()  # a bar per load drowns a worker's log lines
     model = AutoModelForCausalLM.from_pretrained(location, attn_implementation="sdpa", local_files_only=True,
                                                  **{dtype_argument: dtype})
     return model.to(device).eval()

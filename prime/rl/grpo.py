@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+# The digit policy's default: without it, 2 of 4 seeds of the reverse task froze at held-out reward
+# 0.65-0.78 (one answer position copied from the wrong place, its entropy ~0.05 nat, so no group
+# disagreed there again); with 0.05 those seeds reached 1.0 by step 325.
+ENTROPY_BONUS = 0.05
+
 
 class GRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -24,6 +29,7 @@ class GRPOConfig(BaseModel):
     epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the probability ratio.")
     delta: float = Field(4.0, gt=1, description="Upper cap of the ratio where the advantage is negative.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy (0: none).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of an entropy bonus on completion tokens (0: none).")
     std_epsilon: float = Field(1e-4, gt=0, description="Added to a group's reward std before dividing.")
 
 
@@ -53,6 +59,8 @@ def grpo_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, ma
     tokens = mask.sum().clamp(min=1)
     loss = -(objective * mask).sum() / tokens
     kl = torch.zeros((), device=new.device)
+    if entropy is not None and config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * (entropy * mask).sum() / tokens
     if reference is not None and config.kl_coef > 0:
         log_ratio = reference - new
         kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / tokens
@@ -71,5 +79,5 @@ def grpo_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, ma
             "kl": float(kl),
         }
         if entropy is not None:
-            stats["entropy"] = float((entropy * mask).sum() / tokens)
+            stats["entropy"] = float((entropy.detach() * mask).sum() / tokens)
     return loss, stats

@@ -22,6 +22,10 @@ from elastic_mesh.broadcast.member import BroadcastSettings
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from prime.config import JobConfig
 from prime.inference.sampling import SamplingParams
+from prime.rl.environments.reverse import ReverseConfig
+from prime.rl.grpo import GRPOConfig
+from prime.rl.orchestrator.config import OnlineFilter, OrchestratorConfig
+from prime.rl.trainer import RLTrainerConfig
 from prime.testing.faults import PREFIX, FaultConfig
 from prime.verify.proof import ProofSettings
 from prime.verify.thresholds import Limits, ToplocThresholds
@@ -91,6 +95,17 @@ def generate() -> str:
     out += ["### Sampling (per request, assigned by the trusted side; checked by the verifier)", "",
             (SamplingParams.__doc__ or "").strip(), ""]
     out += _table(SamplingParams, lambda name: name) + [""]
+    out += ["### RL orchestrator (`python -m prime.rl.orchestrator --set FIELD=VALUE` or `--config FILE.toml`)", "",
+            (OrchestratorConfig.__doc__ or "The orchestrator's settings.").strip(), ""]
+    out += _table(OrchestratorConfig, lambda name: f"--set {name}=") + [""]
+    for prefix, model in (("env", ReverseConfig), ("filter", OnlineFilter)):
+        out += [f"#### `{prefix}.*` ({model.__name__})", "", (model.__doc__ or "").strip().splitlines()[0], ""]
+        out += _table(model, lambda name, p=prefix: f"--set {p}.{name}=") + [""]
+    out += ["### RL trainer (`python -m prime.rl.trainer --set FIELD=VALUE` or `--config FILE.toml`)", "",
+            (RLTrainerConfig.__doc__ or "The trainer's settings.").strip(), ""]
+    out += _table(RLTrainerConfig, lambda name: f"--set {name}=") + [""]
+    out += ["#### `grpo.*` (GRPOConfig)", "", "The GRPO objective (the trainer) and its grouping (the loop).", ""]
+    out += _table(GRPOConfig, lambda name: f"--set grpo.{name}=") + [""]
     out += ["### Fault injection (`prime.train --chaos.KEY VALUE`; tests and the chaos harness only)", "",
             (FaultConfig.__doc__ or "").strip() + " Not part of the job's config: its fingerprint and "
             "`config.json` never see these.", ""]

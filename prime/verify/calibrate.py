@@ -29,7 +29,13 @@ from prime.inference.engine import GenerationRequest
 from prime.inference.hf_engine import HFEngine, eos_id_of, load_hf_policy
 from prime.inference.sampling import SamplingParams
 from prime.verify.proof import ProofSettings
-from prime.verify.thresholds import Calibration, HonestMaxima, Limits, ToplocThresholds
+from prime.verify.thresholds import (
+    Calibration,
+    HonestMaxima,
+    Limits,
+    ToplocThresholds,
+    logit_scale,
+)
 from prime.verify.verifier import Claim, recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,21 +103,22 @@ def measure(reference, claims: list[Claim], proof: ProofSettings, verify_batch: 
             chunk_mean = max(chunk_mean, *(c.mantissa_mean for c in chunks))
             rollout_mean = max(rollout_mean, sum(c.mantissa_sum for c in chunks) / max(1, sum(c.matched for c in chunks)))
             completion, logits = claim.completion, logits.cpu()
-            logit = max(logit, float((completion.logits - logits).abs().max()))
+            scale = logit_scale(logits)  # float32 rounding grows with the logits' magnitude
+            logit = max(logit, float(((completion.logits - logits).abs() / scale[:, None]).max()))
             temperature = claim.sampling.temperature or 1.0
             recomputed = torch.log_softmax(logits / temperature, -1).gather(
                 -1, torch.tensor(completion.tokens)[:, None])[:, 0]
-            logprob = max(logprob, temperature * float((torch.tensor(completion.logprobs) - recomputed).abs().max()))
+            logprob = max(logprob, temperature * float(((torch.tensor(completion.logprobs) - recomputed).abs() / scale).max()))
     return HonestMaxima(exponent_mismatches=mismatches, mantissa_mean=chunk_mean, rollout_mantissa_mean=rollout_mean,
                         logit_noise=logit, logprob_noise=logprob)
 
 
-def limits_from(maxima: HonestMaxima, margin: float, proof: ProofSettings, logit_scale: float) -> Limits:
+def limits_from(maxima: HonestMaxima, margin: float, proof: ProofSettings) -> Limits:
     """The margin multiplies every honest maximum; one quantum of each statistic is added on top, so a
     calibration that saw no deviation at all (common on CPU in float32) still tolerates the smallest one
     it could have seen: one more value with another exponent, one more ULP in a chunk, and float32
-    rounding of the largest logit."""
-    rounding = logit_scale * torch.finfo(torch.float32).eps
+    rounding of the largest logit (noise is measured per unit of it)."""
+    rounding = torch.finfo(torch.float32).eps
     return Limits(
         exponent_mismatches=math.ceil(margin * maxima.exponent_mismatches) + 1,
         mantissa_mean=margin * maxima.mantissa_mean + 1 / proof.topk,
@@ -132,7 +139,6 @@ def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_size
     conditions = [Condition(d, t, b) for d, t, b in itertools.product(dtypes, threads, batch_sizes)]
     measured: dict[str, list[HonestMaxima]] = {dtype: [] for dtype in dtypes}
     chunks = tokens = 0
-    logit_scale = 0.0
     for index, condition in enumerate(tqdm(conditions, desc="calibrating", unit="condition")):
         worker = reference if condition.dtype == "float32" else load_hf_policy(model_dir, DTYPES[condition.dtype], device)
         prompts = corpus_prompts(lambda text: tokenizer.encode(text, add_special_tokens=False), rollouts,
@@ -144,7 +150,6 @@ def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_size
         measured[condition.dtype].append(maxima)
         chunks += sum(proof.chunks_for(len(c.completion.tokens)) for c in claims)
         tokens += sum(len(c.completion.tokens) for c in claims)
-        logit_scale = max(logit_scale, *(float(c.completion.logits.abs().max()) for c in claims))
     worst = {dtype: HonestMaxima(**{field: max(getattr(m, field) for m in runs) for field in HonestMaxima.model_fields})
              for dtype, runs in measured.items()}
     record = Calibration(
@@ -154,7 +159,7 @@ def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_size
                                                    "sampling: " + ", ".join(f"T={s.temperature} top-p={s.top_p}" for s in SAMPLINGS)],
         margin=margin, honest_maxima=worst)
     return ToplocThresholds(proof=proof, calibration=record,
-                            limits={dtype: limits_from(m, margin, proof, logit_scale) for dtype, m in worst.items()})
+                            limits={dtype: limits_from(m, margin, proof) for dtype, m in worst.items()})
 
 
 def _list(kind):

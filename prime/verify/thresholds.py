@@ -7,12 +7,19 @@ import json
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from prime.verify.proof import ProofSettings
 
 FILENAME = "toploc.json"
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
+
+
+def logit_scale(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: the largest |logit|, at least 1. Logit and logprob noise are bounded in this unit, so a
+    calibration on a fresh policy (logits near 0) still holds once training has made them large."""
+    return logits.abs().amax(dim=-1).clamp(min=1.0)
 
 
 class HonestMaxima(BaseModel):
@@ -37,10 +44,11 @@ class Limits(BaseModel):
     mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs.")
     rollout_mantissa_mean: float = Field(ge=0, description="The same mean over all chunks of a rollout; "
                                          "tighter, because honest noise averages out and a changed model does not.")
-    logit_noise: float = Field(gt=0, description="Bound δ on |logit difference|; the sampling check allows "
-                               "a score gap of 2δ/T between the claimed token and the seed's pick.")
-    logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1 "
-                                 "(divided by T at other temperatures).")
+    logit_noise: float = Field(gt=0, description="Bound δ on |logit difference| per unit of the position's "
+                               "largest |logit| (at least 1); the sampling check allows a score gap of 2δ·scale/T "
+                               "between the claimed token and the seed's pick.")
+    logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1, per "
+                                 "unit of the position's largest |logit| (divided by T at other temperatures).")
 
 
 class Calibration(BaseModel):

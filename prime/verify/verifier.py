@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from prime.inference import sampling
 from prime.inference.engine import Completion
 from prime.verify.proof import ChunkComparison, ProofSettings, compare, split_proof
-from prime.verify.thresholds import Limits, ToplocThresholds
+from prime.verify.thresholds import Limits, ToplocThresholds, logit_scale
 
 CHECKS = ("format", "termination", "activations", "sampling", "logprobs")
 
@@ -130,10 +130,11 @@ class Verifier:
         t = self.thresholds.limits[completion.compute_dtype]
         tokens = torch.tensor(completion.tokens, device=logits.device)
         temperature = params.temperature or 1.0
-        score_tolerance = 2 * t.logit_noise / temperature
+        scale = logit_scale(logits)  # per position: honest rounding grows with the logits' magnitude
+        score_tolerance = 2 * t.logit_noise * scale / temperature
 
         gaps, outside = self._sampling_gaps(logits, tokens, claim.seed, params, score_tolerance)
-        bad = [j for j in range(len(tokens)) if outside[j] or gaps[j] > score_tolerance]
+        bad = [j for j in range(len(tokens)) if outside[j] or gaps[j] > float(score_tolerance[j])]
         ends_with_eos = completion.finish_reason == "eos"
         checks = []
         if ends_with_eos and bad and bad[-1] == len(tokens) - 1:
@@ -153,7 +154,7 @@ class Verifier:
         if bad:
             j = bad[0]
             what = (f"outside the top-p {params.top_p} nucleus" if outside[j]
-                    else f"{gaps[j]:.3g} below the seed's pick (tolerance {score_tolerance:.2g})")
+                    else f"{gaps[j]:.3g} below the seed's pick (tolerance {float(score_tolerance[j]):.2g})")
             checks.append(Check("sampling", False, f"{len(bad)} of {len(tokens)} tokens are not the seed's picks "
                                 f"at temperature {params.temperature}, top-p {params.top_p}; first at token {j} "
                                 f"(id {completion.tokens[j]}): {what}"))
@@ -162,12 +163,12 @@ class Verifier:
 
         recomputed = sampling.logprobs(logits, tokens, params)
         error = (torch.tensor(completion.logprobs, device=logits.device) - recomputed).abs()
-        tolerance = t.logprob_noise / temperature
-        worst = int(error.argmax())
-        if float(error[worst]) > tolerance:
+        tolerance = t.logprob_noise * scale / temperature
+        worst = int((error / tolerance).argmax())
+        if float(error[worst]) > float(tolerance[worst]):
             checks.append(Check("logprobs", False, f"{int((error > tolerance).sum())} reported logprobs differ from "
-                                f"the recomputed ones; worst at token {worst}: {completion.logprobs[worst]:.5f} "
-                                f"against {float(recomputed[worst]):.5f} (tolerance {tolerance:.2g})"))
+                                f"the recomputed ones; worst at token {worst}: {completion.logprobs[worst]:.7f} "
+                                f"against {float(recomputed[worst]):.7f} (tolerance {float(tolerance[worst]):.2g})"))
         else:
             checks.append(Check("logprobs", True))
         return Verdict(checks, chunks)
@@ -196,7 +197,7 @@ class Verifier:
 
     @staticmethod
     def _sampling_gaps(logits: torch.Tensor, tokens: torch.Tensor, seed: int, params: sampling.SamplingParams,
-                       score_tolerance: float) -> tuple[list[float], list[bool]]:
+                       score_tolerance: torch.Tensor) -> tuple[list[float], list[bool]]:
         """Per token: how far its score lies below the best score among tokens that are in the nucleus
         however the logits' noise falls, and whether it lies outside every nucleus that noise allows."""
         rows = len(tokens)
@@ -207,8 +208,9 @@ class Verifier:
         if params.temperature > 0 and params.top_p < 1.0:
             # A probability moves by at most a factor exp(score_tolerance) when every logit moves by δ.
             above = sampling.nucleus_mass_above(torch.softmax(logits.double() / params.temperature, -1))
-            surely_in = above * math.exp(score_tolerance) < params.top_p
-            maybe_in = above * math.exp(-score_tolerance) < params.top_p
+            factor = torch.exp(score_tolerance.double())[:, None]
+            surely_in = above * factor < params.top_p
+            maybe_in = above / factor < params.top_p
         else:
             surely_in = maybe_in = torch.ones_like(score, dtype=torch.bool)
         best = score.masked_fill(~surely_in, float("-inf")).max(-1).values

@@ -13,10 +13,12 @@ from prime.rl.environments.base import Split, Task
 
 
 class ReverseConfig(BaseModel):
+    """The built-in task: which digit strings to reverse, and how many are held out for evaluation."""
+
     model_config = ConfigDict(extra="forbid")
 
     min_digits: int = Field(4, ge=1, le=64, description="Shortest digit string.")
-    max_digits: int = Field(8, ge=1, le=64, description="Longest digit string.")
+    max_digits: int = Field(4, ge=1, le=64, description="Longest digit string.")
     eval_tasks: int = Field(64, gt=0, description="Held-out tasks in the eval split.")
 
 

@@ -1,0 +1,156 @@
+"""An RL run on one machine, every role its own process: coordinator, orchestrator, trainer, workers.
+Used by `make rl-demo` (launch/rl_demo.py), the RL end-to-end tests and launch/bench/rl_async.py.
+
+Each role gets its own token, made the way an operator would (`token create`): the trainer a worker
+token with the publish right, the orchestrator and every worker a worker token of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from elastic_mesh.control.process_tree import kill_tree
+from elastic_mesh.coordinator.run import make_token
+from launch.cluster import REPO, child_env, wait_for
+
+WEEK_S = 7 * 86400
+
+
+def new_policy(out: Path, seed: int = 0, calibrate_args: list[str] | None = None) -> Path:
+    """A fresh digit policy with TOPLOC thresholds measured on it (`python -m prime.verify.calibrate`)."""
+    from prime.rl.policy import new_digit_policy
+
+    new_digit_policy(out, seed=seed)
+    args = calibrate_args if calibrate_args is not None else [
+        "--threads", "1", "--batch-sizes", "1,8,32", "--rollouts", "64", "--max-tokens", "16", "--margin", "16"]
+    done = subprocess.run([sys.executable, "-m", "prime.verify.calibrate", "--model", str(out), *args], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"calibrating {out} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return out
+
+
+class RLCluster:
+    def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
+                 trainer_sets: list[str] | None = None, echo: bool = False) -> None:
+        self.run_dir, self.policy = Path(run_dir), Path(policy)
+        self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
+        self.echo = echo
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tokens: dict[str, str] = {}
+        self.orchestrator_address = ""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.run_dir / "coordinator"
+
+    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.run_dir / f"{name}.log", "a", encoding="utf-8")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def token(self, name: str, publish: bool = False) -> Path:
+        """The token file of a role (made once per name, so a restarted process presents the same token)."""
+        path = self.run_dir / f"{name}.token"
+        if name not in self.tokens:
+            self.tokens[name] = make_token(self.state_dir, WEEK_S, role="worker", publish=publish)
+            path.write_text(self.tokens[name])
+        return path
+
+    def start(self, workers: list[str]) -> None:
+        self.start_coordinator()
+        self.start_orchestrator()
+        self.start_trainer()
+        for name in workers:
+            self.start_worker(name)
+
+    def start_coordinator(self) -> None:
+        address = self.state_dir / "address"
+        address.unlink(missing_ok=True)
+        self.spawn("coordinator", [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", "127.0.0.1",
+                                   "--port", "0", "--state-dir", str(self.state_dir)])
+        wait_for(lambda: address.exists() or self._died("coordinator"), 60, "the coordinator's address")
+
+    def start_orchestrator(self) -> None:
+        address = self.run_dir / "orchestrator" / "address"
+        address.unlink(missing_ok=True)
+        self.spawn("orchestrator", [sys.executable, "-m", "prime.rl.orchestrator", "--token-file",
+                                    str(self.token("orchestrator")), "--run-dir", str(self.run_dir / "orchestrator"),
+                                    "--host", "127.0.0.1", *[f"--set={s}" for s in self.orchestrator_sets]])
+        wait_for(lambda: address.exists() or self._died("orchestrator"), 120, "the orchestrator's address")
+        self.orchestrator_address = address.read_text().strip()
+
+    def start_trainer(self) -> None:
+        self.spawn("trainer", [sys.executable, "-m", "prime.rl.trainer", "--token-file",
+                               str(self.token("trainer", publish=True)), "--policy", str(self.policy),
+                               "--orchestrator", self.orchestrator_address, "--run-dir", str(self.run_dir / "trainer"),
+                               *[f"--set={s}" for s in self.trainer_sets]])
+
+    def start_worker(self, name: str, module: str = "prime.rl.worker", extra: list[str] | None = None) -> None:
+        self.spawn(name, [sys.executable, "-m", module, "--token-file", str(self.token(name)),
+                          "--work-dir", str(self.run_dir / name), *(extra or [])])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            kill_tree(proc.pid, sig)
+        proc.wait()
+
+    def _died(self, name: str) -> bool:
+        code = self.procs[name].poll()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with {code}; see {self.run_dir / (name + '.log')}")
+        return False
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{name} still running after {timeout_s:.0f} s; see {self.run_dir / (name + '.log')}") from None
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        path = self.run_dir / "orchestrator" / "metrics.jsonl"
+        if not path.exists():
+            return []
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in events if kind is None or e.get("event") == kind]
+
+    def trainer_records(self) -> list[dict]:
+        path = self.run_dir / "trainer" / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def summary(self) -> dict | None:
+        path = self.run_dir / "orchestrator" / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def log(self, name: str) -> str:
+        return (self.run_dir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            if self.procs[name].poll() is None:
+                kill_tree(self.procs[name].pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+
+    def __enter__(self) -> "RLCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+

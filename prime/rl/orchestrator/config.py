@@ -1,0 +1,45 @@
+"""The orchestrator's settings: the task, GRPO's grouping and filters, the async level, leases, eval."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prime.rl.environments.reverse import ReverseConfig
+
+
+class OnlineFilter(BaseModel):
+    """Which groups carry no signal and are dropped before a batch reaches the trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    drop_flat: bool = Field(True, description="Drop a group whose rewards are all equal (zero advantage).")
+    drop_all_solved: bool = Field(True, description="Drop a prompt that every sample solves.")
+    drop_none_solved: bool = Field(False, description="Drop a prompt that no sample solves. Off by default: with "
+                                   "partial-credit rewards (reverse) early groups solve nothing yet still teach.")
+    solved_at: float = Field(1.0, gt=0, le=1, description="A sample with at least this reward solved its prompt.")
+
+
+class OrchestratorConfig(BaseModel):
+    """What the orchestrator hands out and accepts: the task, GRPO's grouping and filters, the async
+    level, leases and evaluation. The same for every worker; workers never choose any of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: ReverseConfig = Field(default_factory=ReverseConfig, description="The built-in reverse task.")
+    seed: int = Field(0, description="Seed of the task stream and of the sampling seeds handed to workers.")
+    group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts whose groups make one trainer batch.")
+    async_level: int = Field(2, ge=0, le=64, description="k: a batch for step s takes rollouts of policy versions "
+                             ">= s - k; older ones are dropped and counted (INTELLECT-2: 2).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature workers must use.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus workers must use.")
+    max_tokens: int = Field(5, ge=1, le=4096, description="Completion limit (reverse: max_digits + 1 for EOS).")
+    prompts_per_lease: int = Field(4, ge=1, le=256, description="Prompts (each with G seeds) in one worker lease.")
+    lease_s: float = Field(20.0, gt=0, description="A lease not returned in this time goes back to the pool; "
+                           "its late rollouts are refused.")
+    std_epsilon: float = Field(1e-4, gt=0, description="Added to a group's reward std before dividing.")
+    filter: OnlineFilter = Field(default_factory=OnlineFilter)
+    eval_every: int = Field(10, ge=1, description="Held-out reward (greedy) of every this many-th policy version.")
+    stop_at_reward: float | None = Field(None, gt=0, le=1, description="End the run once a held-out eval reaches this.")
+    verify_batch_size: int = Field(64, ge=1, description="Rollouts per verification prefill.")
+    poll_s: float = Field(10.0, gt=0, description="Longest a lease or batch request waits before answering 'wait'.")

@@ -1,0 +1,370 @@
+"""The orchestrator (trusted): prompts out as leases, rollouts in, verified, scored, batched.
+
+- **Leases.** A worker asks for work stating the policy version it holds. It gets `prompts_per_lease`
+  prompts, each with G seeds that the orchestrator drew (so a worker cannot pick its samples), and the
+  sampling settings. A lease not returned within `lease_s`, or held by a worker that is evicted, goes
+  back to the front of the queue; its late rollouts are refused. Every prompt instance has a number and
+  enters at most one batch.
+- **Async level k.** Rollouts of version v may serve the batches of steps v .. v + k. A worker holding a
+  version older than newest - k is told to fetch the newest; leases are handed out only while the
+  batches those rollouts can still serve need prompts, so workers run at most k versions ahead of the
+  trainer and little work goes stale. At k = 0 generation and training alternate.
+- **Verification.** Every rollout is checked by TOPLOC against the claimed version before it is scored.
+  One failed rollout rejects the worker's whole submission, evicts the worker's token (its other leases
+  go back, its unbatched groups are dropped) and every later request of that token is refused.
+- **Rewards and advantages** are computed here with the task's own verifier; a worker's word about its
+  rollout's quality is never asked for.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import logging
+import math
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from prime.inference.engine import Completion
+from prime.inference.sampling import SamplingParams
+from prime.rl.environments.base import Environment, Task
+from prime.rl.grpo import GRPOConfig, group_advantages
+from prime.rl.orchestrator.config import OrchestratorConfig
+from prime.rl.orchestrator.versions import PolicyVersions
+from prime.rl.service import Refused
+from prime.verify.verifier import Claim
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """One leased prompt instance: `number` is unique for the run, so a batch can prove no duplicates."""
+
+    number: int
+    task: Task
+    tokens: list[int]
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    worker: str  # token id
+    version: int
+    prompts: list[Prompt]
+    seeds: list[list[int]]  # per prompt, G seeds
+    deadline: float
+
+
+@dataclass
+class Group:
+    prompt: Prompt
+    version: int
+    worker: str
+    completions: list[Completion]
+    rewards: list[float]
+
+
+@dataclass
+class Counters:
+    rollouts_accepted: int = 0
+    rollouts_rejected: int = 0
+    rollouts_stale: int = 0
+    groups_filtered: int = 0
+    leases_expired: int = 0
+    workers_evicted: int = 0
+    evicted: dict[str, str] = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, env: Environment, versions: PolicyVersions,
+                 record=lambda event: None) -> None:
+        self.config, self.env, self.versions, self.record = config, env, versions, record
+        self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+        self.grpo = GRPOConfig(group_size=config.group_size, std_epsilon=config.std_epsilon)
+        self._tasks = env.tasks("train", config.seed)
+        self._numbers = itertools.count()
+        self._seeds = random.Random(f"{config.seed}-seeds")
+        self._returned: deque[Prompt] = deque()
+        self.leases: dict[str, Lease] = {}
+        self.ready: list[Group] = []
+        self.batches: dict[int, dict] = {}
+        self.next_step = 0
+        self.done = False
+        self.final_version = -1  # the trainer's last version, once it finished
+        self.counters = Counters()
+        self.used_numbers: set[int] = set()  # prompt instances already in a batch
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.started = time.monotonic()
+        versions.on_new = self._on_new_version
+
+    # ---- versions ------------------------------------------------------------------------------------
+    def _on_new_version(self, version: int) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    @property
+    def oldest_usable(self) -> int:
+        """The oldest version whose rollouts can still enter a batch."""
+        return self.next_step - self.config.async_level
+
+    # ---- leases --------------------------------------------------------------------------------------
+    def lease(self, worker: str, held: int) -> dict:
+        give_up = time.monotonic() + self.config.poll_s
+        with self.changed:
+            while True:
+                self._refuse_evicted(worker)
+                self.expire()
+                if self.done:
+                    return {"status": "done"}
+                newest = self.versions.newest
+                if newest >= 0 and (held < 0 or held < max(newest - self.config.async_level, self.oldest_usable)):
+                    return {"status": "fetch", "version": newest}
+                if 0 <= held <= newest and self._wanted(held) > 0:  # held > newest: this side is still loading it
+                    return self._grant(worker, held)
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    return {"status": "wait"}
+                self.changed.wait(min(remaining, 1.0))
+
+    def _wanted(self, version: int) -> int:
+        """Prompts still wanted from rollouts of `version`: what the batches it may serve lack, less the
+        groups ready or in flight for them."""
+        last_step = version + self.config.async_level
+        if last_step < self.next_step:
+            return 0
+        need = (last_step - self.next_step + 1) * self.config.prompts_per_step
+        have = sum(1 for g in self.ready if g.version + self.config.async_level >= self.next_step)
+        have += sum(len(lease.prompts) for lease in self.leases.values())
+        return need - have
+
+    def _grant(self, worker: str, version: int) -> dict:
+        count = min(self.config.prompts_per_lease, self._wanted(version))
+        prompts = [self._next_prompt() for _ in range(count)]
+        seeds = [[self._seeds.getrandbits(63) for _ in range(self.config.group_size)] for _ in prompts]
+        lease = Lease(f"{worker}-{next(self._numbers)}", worker, version, prompts, seeds,
+                      time.monotonic() + self.config.lease_s)
+        self.leases[lease.lease_id] = lease
+        return {"status": "ok", "lease": lease.lease_id, "version": version, "lease_s": self.config.lease_s,
+                "sampling": self.sampling.model_dump(),
+                "requests": [{"prompt": p.tokens, "seed": s} for p, group in zip(prompts, seeds) for s in group]}
+
+    def _next_prompt(self) -> Prompt:
+        if self._returned:
+            return self._returned.popleft()
+        task = next(self._tasks)
+        return Prompt(next(self._numbers), task, self.versions.tokenize(task.prompt))
+
+    def _release(self, lease: Lease, why: str) -> None:
+        self.leases.pop(lease.lease_id, None)
+        self._returned.extendleft(reversed(lease.prompts))
+        log.info("lease %s of worker %s returned (%s): %d prompts back in the queue", lease.lease_id, lease.worker,
+                 why, len(lease.prompts))
+        self.changed.notify_all()
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            # Latest first: each goes to the front of the queue, so the oldest prompts are handed out first.
+            for lease in sorted((x for x in self.leases.values() if x.deadline < now), key=lambda x: -x.deadline):
+                self.counters.leases_expired += 1
+                self._release(lease, f"not returned within {self.config.lease_s:.0f} s")
+
+    def _refuse_evicted(self, worker: str) -> None:
+        if worker in self.counters.evicted:
+            raise Refused(403, f"worker token {worker} was evicted: {self.counters.evicted[worker]}")
+
+    # ---- rollouts ------------------------------------------------------------------------------------
+    def submit(self, worker: str, body: dict) -> dict:
+        with self.lock:
+            self._refuse_evicted(worker)
+            self.expire()
+            lease = self.leases.get(str(body.get("lease", "")))
+            if lease is None or lease.worker != worker:
+                return {"status": "expired", "detail": "no such lease of this worker (returned after its deadline?)"}
+            del self.leases[lease.lease_id]
+        expected = len(lease.prompts) * self.config.group_size
+        try:
+            completions = [_completion(entry) for entry in body["completions"]]
+            if len(completions) != expected:
+                raise ValueError(f"{len(completions)} completions for a lease of {expected} requests")
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+            return self._evict(lease, expected, f"malformed submission: {e}")
+        if lease.version < self.oldest_usable:
+            return self._stale(lease, expected)
+        try:
+            verifier = self.versions.verifier(lease.version)
+        except KeyError:
+            return self._stale(lease, expected)
+        seeds = [s for group in lease.seeds for s in group]
+        prompts = [p for p in lease.prompts for _ in range(self.config.group_size)]
+        claims = [Claim(p.tokens, seed, self.sampling, c) for p, seed, c in zip(prompts, seeds, completions)]
+        started = time.perf_counter()
+        verdicts = verifier.verify(claims)
+        verify_s = time.perf_counter() - started
+        rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
+        if rejected:
+            i, verdict = rejected[0]
+            return self._evict(lease, expected, f"{len(rejected)} of {expected} rollouts failed verification, e.g. "
+                                                f"#{i}: {verdict.reason}")
+        groups = []
+        for index, prompt in enumerate(lease.prompts):
+            chosen = completions[index * self.config.group_size:(index + 1) * self.config.group_size]
+            rewards = [self.env.reward(prompt.task, self.versions.decode(c.tokens)) for c in chosen]
+            groups.append(Group(prompt, lease.version, worker, chosen, rewards))
+        with self.changed:
+            if worker in self.counters.evicted:
+                return {"status": "evicted"}
+            if lease.version < self.oldest_usable:
+                return self._stale(lease, expected)
+            self.ready.extend(groups)
+            self.counters.rollouts_accepted += expected
+            self.changed.notify_all()
+        return {"status": "accepted", "rollouts": expected, "verify_s": round(verify_s, 4)}
+
+    def _stale(self, lease: Lease, rollouts: int) -> dict:
+        with self.changed:
+            self.counters.rollouts_stale += rollouts
+            self._returned.extendleft(reversed(lease.prompts))
+            self.changed.notify_all()
+        newest = self.versions.newest
+        log.info("lease %s of version %d came back stale (batches now need >= %d): %d rollouts dropped, prompts "
+                 "requeued; worker %s told to fetch %d", lease.lease_id, lease.version, self.oldest_usable, rollouts,
+                 lease.worker, newest)
+        return {"status": "stale", "version": newest}
+
+    def _evict(self, lease: Lease, rollouts: int, why: str) -> dict:
+        with self.changed:
+            self.counters.rollouts_rejected += rollouts
+            self.counters.evicted[lease.worker] = why
+            self.counters.workers_evicted += 1
+            self._returned.extendleft(reversed(lease.prompts))
+            for other in [x for x in self.leases.values() if x.worker == lease.worker]:
+                self._release(other, "its worker was evicted")
+            dropped = [g for g in self.ready if g.worker == lease.worker]
+            self.ready = [g for g in self.ready if g.worker != lease.worker]
+            self.counters.rollouts_rejected += sum(len(g.completions) for g in dropped)
+            self.changed.notify_all()
+        log.warning("worker %s evicted: %s (%d rollouts rejected, %d of its unbatched groups dropped)",
+                    lease.worker, why, rollouts, len(dropped))
+        self.record({"event": "evicted", "worker": lease.worker, "reason": why[:300], "time_s": self.elapsed()})
+        raise Refused(403, f"evicted: {why}")
+
+    # ---- batches -------------------------------------------------------------------------------------
+    def batch(self, step: int) -> dict:
+        """The batch of trainer step `step` (long-poll). A step already built is answered again, so a
+        trainer restarted from its checkpoint trains on exactly what it would have."""
+        give_up = time.monotonic() + self.config.poll_s
+        with self.changed:
+            while True:
+                if step in self.batches:
+                    return self.batches[step]
+                if self.done:
+                    return {"status": "done"}
+                if step != self.next_step:
+                    raise Refused(409, f"batch {step} asked for; the next batch is {self.next_step} (only the last "
+                                       f"{len(self.batches)} built are kept)")
+                self._drop_stale(step)
+                if len(self.ready) >= self.config.prompts_per_step:
+                    return self._build(step)
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    return {"status": "wait", "ready": len(self.ready)}
+                self.changed.wait(min(remaining, 1.0))
+
+    def _drop_stale(self, step: int) -> None:
+        oldest = step - self.config.async_level
+        stale = [g for g in self.ready if g.version < oldest]
+        if stale:
+            self.ready = [g for g in self.ready if g.version >= oldest]
+            self.counters.rollouts_stale += sum(len(g.completions) for g in stale)
+            log.info("batch %d: %d groups of versions < %d dropped as stale", step, len(stale), oldest)
+
+    def _build(self, step: int) -> dict:
+        self.ready.sort(key=lambda g: (g.version, g.prompt.number))  # oldest first: the first to go stale
+        taken, self.ready = self.ready[:self.config.prompts_per_step], self.ready[self.config.prompts_per_step:]
+        rewards = torch.tensor([g.rewards for g in taken])
+        advantages, varied = group_advantages(rewards, self.grpo)
+        keep = self._keep(rewards, varied)
+        rows = []
+        for g, adv, k in zip(taken, advantages, keep):
+            assert g.prompt.number not in self.used_numbers, f"prompt {g.prompt.number} would enter a second batch"
+            self.used_numbers.add(g.prompt.number)
+            if k:
+                rows += [{"prompt": g.prompt.tokens, "tokens": c.tokens, "logprobs": c.logprobs,
+                          "advantage": float(a), "version": g.version} for c, a in zip(g.completions, adv)]
+        self.counters.groups_filtered += int((~keep).sum())
+        staleness = [step - g.version for g in taken]
+        stats = {"reward_mean": float(rewards.mean()), "groups": len(taken), "groups_kept": int(keep.sum()),
+                 "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                 "prompt_numbers": [g.prompt.number for g in taken]}
+        batch = {"status": "ok", "step": step, "temperature": self.config.temperature, "rows": rows, "stats": stats}
+        self.batches[step] = batch
+        for old in [s for s in self.batches if s < step - 1]:
+            del self.batches[old]
+        self.next_step = step + 1
+        self.changed.notify_all()
+        workers: dict[str, int] = {}
+        for g in taken:
+            workers[g.worker] = workers.get(g.worker, 0) + len(g.completions)
+        self.record({"event": "batch", "step": step, "time_s": self.elapsed(), **stats, "workers": workers,
+                     **self.totals()})
+        return batch
+
+    def _keep(self, rewards: torch.Tensor, varied: torch.Tensor) -> torch.Tensor:
+        f = self.config.filter
+        keep = varied.clone() if f.drop_flat else torch.ones_like(varied)
+        solved = (rewards >= f.solved_at).float().mean(dim=1)
+        if f.drop_all_solved:
+            keep &= solved < 1
+        if f.drop_none_solved:
+            keep &= solved > 0
+        return keep
+
+    def finish(self, version: int) -> dict:
+        with self.changed:
+            self.final_version = max(self.final_version, version)
+            self.done = True
+            self.changed.notify_all()
+        log.info("the trainer finished at version %d", version)
+        return {"status": "ok"}
+
+    def totals(self) -> dict:
+        c = self.counters
+        return {"rollouts_accepted": c.rollouts_accepted, "rollouts_rejected": c.rollouts_rejected,
+                "rollouts_stale": c.rollouts_stale, "groups_filtered": c.groups_filtered,
+                "leases_expired": c.leases_expired, "workers_evicted": c.workers_evicted}
+
+    def leases_by_worker(self) -> dict[str, int]:
+        with self.lock:
+            held: dict[str, int] = {}
+            for lease in self.leases.values():
+                held[lease.worker] = held.get(lease.worker, 0) + 1
+            return held
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 3)
+
+
+def _completion(entry: dict) -> Completion:
+    """A worker's completion, type-checked (what it claims is for the verifier to judge)."""
+    tokens, logprobs = entry["tokens"], entry["logprobs"]
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ValueError("tokens must be a list of integers")
+    if not isinstance(logprobs, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs):
+        raise ValueError("logprobs must be a list of numbers")
+    if not all(math.isfinite(x) for x in logprobs):
+        raise ValueError("logprobs must be finite")
+    finish = entry["finish_reason"]
+    if finish not in ("eos", "length"):
+        raise ValueError(f"finish_reason {str(finish)[:20]!r} is neither eos nor length")
+    proof = base64.b64decode(str(entry["proof"]), validate=True)
+    return Completion(tokens=tokens, logprobs=[float(x) for x in logprobs], finish_reason=finish, proof=proof,
+                      compute_dtype=str(entry.get("compute_dtype", "float32"))[:16])

@@ -1,0 +1,78 @@
+"""The policy versions the orchestrator verifies against: followed through the broadcast (the same
+signed, chunk-checked path the workers use), loaded in float32, the newest `keep` held."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from transformers import AutoTokenizer
+
+from elastic_mesh.broadcast.member import BroadcastError, BroadcastMember
+from prime.inference.hf_engine import eos_id_of, load_hf_policy
+from prime.rl.policy_transport import fetch_policy, write_policy
+from prime.verify.thresholds import ToplocThresholds
+from prime.verify.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+
+class PolicyVersions:
+    def __init__(self, member: BroadcastMember, root: Path, keep: int, verify_batch_size: int) -> None:
+        self.member, self.root, self.keep, self.verify_batch_size = member, Path(root), keep, verify_batch_size
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.models: dict[int, object] = {}
+        self.verifiers: dict[int, Verifier] = {}
+        self.tokenizer = None
+        self.newest = -1
+        self.on_new: Callable[[int], None] = lambda version: None
+        self._lock = threading.Lock()
+        self._fetching = threading.Lock()
+
+    def follow(self) -> None:
+        """Blocks: loads every version as it is announced (skipping any it fell behind on)."""
+        threading.current_thread().name = "policy-versions"
+        self.member.follow(on_version=lambda target, report: self._load(write_policy(target, self.root),
+                                                                       target.version, report.seconds))
+
+    def _load(self, directory: Path, version: int, fetch_s: float) -> None:
+        model = load_hf_policy(directory)
+        thresholds = ToplocThresholds.load(directory)
+        with self._lock:
+            if self.tokenizer is None:
+                self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.models[version] = model
+            self.verifiers[version] = Verifier(model, thresholds, eos_id_of(model), self.verify_batch_size)
+            self.newest = max(self.newest, version)
+            for old in [v for v in self.models if v <= self.newest - self.keep]:
+                del self.models[old], self.verifiers[old]
+        log.info("policy version %d loaded (fetched in %.2f s)", version, fetch_s)
+        self.on_new(version)
+
+    def verifier(self, version: int) -> Verifier:
+        """The verifier of `version`; fetched now if the follower skipped it. KeyError: no longer held."""
+        with self._lock:
+            if version in self.verifiers:
+                return self.verifiers[version]
+            if version <= self.newest - self.keep or version > self.newest:
+                raise KeyError(version)
+        with self._fetching:
+            try:
+                self._load(fetch_policy(self.member, self.member.manifest(version), self.root), version, 0.0)
+            except BroadcastError as e:
+                log.warning("version %d could not be fetched for verification: %s", version, e)
+                raise KeyError(version) from None
+        with self._lock:
+            return self.verifiers[version]
+
+    def model(self, version: int):
+        with self._lock:
+            return self.models[version]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,0 +1,57 @@
+"""A policy version as a broadcast: the Hugging Face directory (safetensors weights, config, tokenizer,
+TOPLOC thresholds) travels as files through `elastic_mesh.broadcast`, signed by the coordinator and
+checked chunk by chunk, so a worker loads nothing that the trainer did not publish. Nothing is unpickled:
+weights are safetensors, the rest JSON."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from elastic_mesh.broadcast.member import BroadcastMember
+from elastic_mesh.broadcast.payload import files_as_tensors, write_files
+from elastic_mesh.transfer.chunk_dir import ChunkDir
+
+POLICY_KIND = "policy"
+# Written by save_pretrained for every version; everything else in the base directory (tokenizer files,
+# toploc.json) is the same for every version and is copied from it.
+_PER_VERSION = ("config.json", "generation_config.json")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+_writing = threading.Lock()
+
+
+def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict) -> None:
+    """Publishes `model` as `version`, with the tokenizer and thresholds of `base_dir`."""
+    with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
+        out = Path(tmp)
+        model.save_pretrained(out, safe_serialization=True)
+        for file in Path(base_dir).iterdir():
+            if file.is_file() and file.name not in _PER_VERSION and not file.name.endswith(_WEIGHTS):
+                shutil.copy2(file, out / file.name)
+        tensors, files_meta = files_as_tensors([out])
+        member.publish(version, tensors, {**meta, **files_meta})
+
+
+def fetch_policy(member: BroadcastMember, manifest: dict, root: Path) -> Path:
+    """Fetches the version `manifest` names (verified) and writes its directory under `root`."""
+    target, _ = member.fetch(manifest=manifest)
+    return write_policy(target, root)
+
+
+def write_policy(target: ChunkDir, root: Path) -> Path:
+    """A complete, verified version's directory under `root` (written once, atomically)."""
+    out = Path(root) / f"v{target.version:08d}"
+    with _writing:  # a follower thread and a fetch on demand may write the same version
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+            write_files(target, staging)
+            shutil.rmtree(out, ignore_errors=True)
+            staging.rename(out)
+    return out
+
+
+def meta_of(manifest: dict) -> dict:
+    return dict(manifest.get("meta") or {})

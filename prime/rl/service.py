@@ -1,0 +1,133 @@
+"""The JSON-over-HTTP plumbing of the RL processes: a small threaded server whose every request is
+authenticated with a run token that the coordinator itself confirms, and size-limited.
+
+The orchestrator holds no run secret, so it cannot check a token's signature; it asks the run's
+coordinator (the address it was started with, never the one a token names) and caches the answer for
+`recheck_s`, so a revoked token stops working within that time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.token import JoinToken, TokenError, read_token
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A request refused with an HTTP status and a message that says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TokenCheck:
+    """Confirms bearer tokens with the run's coordinator; answers the token's (signed) facts."""
+
+    def __init__(self, coordinator: str, run_id: str, recheck_s: float = 30.0) -> None:
+        self.coordinator, self.run_id, self.recheck_s = coordinator, run_id, recheck_s
+        self._cache: dict[str, tuple[JoinToken, float]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, authorization: str) -> JoinToken:
+        if not authorization.startswith("Bearer "):
+            raise Refused(401, "no token: send the run token this process was given as 'Authorization: Bearer'")
+        text = authorization[7:].strip()
+        with self._lock:
+            cached = self._cache.get(text)
+        if cached and time.monotonic() < cached[1]:
+            return cached[0]
+        try:
+            token = read_token(text)
+        except TokenError as e:
+            raise Refused(403, f"malformed token: {e}") from None
+        client = CoordinatorClient(self.coordinator, request_timeout_s=10, retry_s=10, bearer=text)
+        try:
+            hello = client.post("/v1/broadcast/hello", {})
+        except CoordinatorError as e:
+            raise Refused(403 if e.status and e.status < 500 else 503, f"the coordinator did not confirm this token: {e}") from None
+        finally:
+            client.close()
+        if hello.get("run_id") != self.run_id or token.run_id != self.run_id:
+            raise Refused(403, f"token of run {token.run_id}, this is run {self.run_id}")
+        with self._lock:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[text] = (token, time.monotonic() + self.recheck_s)
+        return token
+
+
+Route = Callable[[JoinToken, dict], dict]
+
+
+class JsonServer(ThreadingHTTPServer):
+    """POST-only JSON endpoints: routes[path](token, body) -> answer; Refused -> its status."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, host: str, port: int, routes: dict[str, Route], check: Callable[[str], JoinToken],
+                 max_request_bytes: int = 64 << 20) -> None:
+        super().__init__((host, port), _Handler)
+        self.routes, self.check, self.max_request_bytes = routes, check, max_request_bytes
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> None:
+        threading.Thread(target=self.serve_forever, daemon=True, name="rl-http").start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: JsonServer
+
+    def log_message(self, fmt, *args):  # one line per request would drown the events that matter
+        pass
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return self._reply(400, {"error": "bad Content-Length"})
+        if length < 0 or length > self.server.max_request_bytes:
+            self.close_connection = True
+            return self._reply(413, {"error": f"request of {length} bytes is over the limit of "
+                                              f"{self.server.max_request_bytes}"})
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("body is not a JSON object")
+            route = self.server.routes.get(self.path)
+            if route is None:
+                return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+            self._reply(200, route(self.server.check(self.headers.get("Authorization", "")), body))
+        except Refused as e:
+            self._reply(e.status, {"error": str(e)})
+        except (ValueError, KeyError, TypeError) as e:
+            self._reply(400, {"error": f"malformed request: {type(e).__name__}: {str(e)[:200]}"})
+        except Exception as e:  # the server must outlive a bug in one request
+            log.exception("request %s failed", self.path)
+            self._reply(500, {"error": f"internal error: {type(e).__name__}"})

@@ -1,0 +1,165 @@
+"""The RL trainer (trusted): takes GRPO batches from the orchestrator, steps the policy, checkpoints,
+and publishes each new version through the broadcast.
+
+    python -m prime.rl.trainer --token-file trainer.token --policy DIR --orchestrator HOST:PORT --run-dir D
+
+Version v is the policy after v steps (v0: the policy it started from). After step s the trainer writes
+a checkpoint (model and optimizer, DCP) before publishing version s + 1, so a trainer killed at any
+point and restarted with the same arguments resumes from its last checkpoint: it asks the orchestrator
+for the same batch again (the orchestrator keeps it) and republishes a version the coordinator lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_mesh.broadcast.member import (
+    BroadcastError,
+    BroadcastMember,
+    BroadcastSettings,
+)
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from prime.core.checkpoint import CheckpointStore
+from prime.core.cli import setup_logging
+from prime.core.distributed import close_local_group, init_local_group
+from prime.core.optim import OptimConfig, build_optimizer
+from prime.inference.hf_engine import load_hf_policy
+from prime.rl.cli import load_config, read_token_argument
+from prime.rl.grpo import ENTROPY_BONUS, GRPOConfig
+from prime.rl.policy_transport import POLICY_KIND, publish_policy
+from prime.rl.update import Row, policy_update
+from prime.verify.thresholds import ToplocThresholds
+
+log = logging.getLogger("prime.rl.trainer")
+
+
+class RLTrainerConfig(BaseModel):
+    """How the trainer steps the policy on each batch, and how long it trains."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int = Field(600, gt=0, description="Steps after which the trainer ends the run (the orchestrator "
+                           "may end it sooner: stop_at_reward).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(
+        lr=3e-4, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, schedule="constant"),
+        description="AdamW; constant 3e-4 by default (1e-3 collapsed the digit policy's entropy early).")
+    epochs: int = Field(2, ge=1, le=16, description="Optimizer steps per batch (ratio clipping acts from the second).")
+    max_grad_norm: float = Field(1.0, gt=0)
+    grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(entropy_coef=ENTROPY_BONUS),
+                             description="Clipping (epsilon, delta), the KL weight, the entropy bonus.")
+    checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prime.rl.trainer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--token", help="a run token with the publish right (token create --role worker --publish)")
+    parser.add_argument("--token-file", type=Path, help="read the token from this file instead")
+    parser.add_argument("--policy", type=Path, required=True, help="the HF directory to start from (with toploc.json)")
+    parser.add_argument("--orchestrator", required=True, help="host:port of the orchestrator")
+    parser.add_argument("--run-dir", type=Path, required=True, help="checkpoints and metrics.jsonl go here")
+    parser.add_argument("--advertise-host", default=None, help="host workers reach this trainer's chunk server at")
+    parser.add_argument("--config", type=Path, help="a TOML file of RLTrainerConfig fields")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    setup_logging("[trainer] ")
+    config = load_config(RLTrainerConfig, args.config, args.set)
+    token = read_token_argument(args.token, args.token_file)
+    ToplocThresholds.load(args.policy)  # workers cannot be verified without it: fail here, not in the orchestrator
+    group = init_local_group("cpu")
+    if group.world_size != 1:
+        raise SystemExit("the RL trainer runs as one process for now (FSDP2 across ranks is not wired for RL)")
+    torch.manual_seed(0)
+    model = load_hf_policy(args.policy)
+    reference = copy.deepcopy(model).eval() if config.grpo.kl_coef > 0 else None
+    optimizer, scheduler = build_optimizer(model, config.optim, config.max_steps)
+    store = CheckpointStore(args.run_dir / "checkpoints", keep=config.checkpoint_keep, rank=0, world_size=1)
+    step = 0
+    latest = store.latest()
+    if latest is not None:
+        state, _ = store.load(latest, model, optimizer)
+        step = int(state["step"])
+        scheduler.last_epoch = step
+        log.info("resumed from %s: step %d", latest.name, step)
+    try:
+        member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
+                                 BroadcastSettings(keep=3, advertise_host=args.advertise_host))
+    except BroadcastError as e:
+        raise SystemExit(f"cannot join the run: {e}") from None
+    if not member.may_publish:
+        raise SystemExit("this token has no publish right: the trainer publishes the policy (token create --publish)")
+    meta = {"orchestrator": args.orchestrator}
+    _publish_if_missing(member, step, model, args.policy, meta)
+    orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = (args.run_dir / "metrics.jsonl").open("a")
+    started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
+    try:
+        while step < config.max_steps:
+            waited = time.monotonic()
+            batch = _next_batch(orchestrator, step)
+            idle_s += time.monotonic() - waited
+            if batch is None:
+                log.info("the orchestrator ended the run at step %d", step)
+                break
+            began = time.monotonic()
+            rows = [Row(r["prompt"], r["tokens"], r["logprobs"], float(r["advantage"])) for r in batch["rows"]]
+            stats = policy_update(model, optimizer, rows, config.grpo, float(batch["temperature"]), pad_id,
+                                  config.epochs, config.max_grad_norm, reference)
+            scheduler.step()
+            step += 1
+            store.save(step, model, optimizer, {"step": step}, {})
+            _publish_if_missing(member, step, model, args.policy, meta)
+            elapsed = time.monotonic() - started
+            record = {"step": step, "time_s": round(elapsed, 3), "train_s": round(time.monotonic() - began, 4),
+                      "idle_fraction": round(idle_s / max(elapsed, 1e-9), 4),
+                      **{k: v for k, v in batch["stats"].items() if k != "prompt_numbers"}, **stats}
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if step % 10 == 0 or step == config.max_steps:
+                log.info("step %d/%d: batch reward %.3f, %d rows, staleness %.1f (max %d), idle %.0f%%", step,
+                         config.max_steps, batch["stats"]["reward_mean"], len(rows), batch["stats"]["staleness_mean"],
+                         batch["stats"]["staleness_max"], 100 * record["idle_fraction"])
+        orchestrator.post("/v1/rl/finish", {"version": step})
+    except CoordinatorError as e:
+        raise SystemExit(f"the orchestrator refused the trainer: {e}") from None
+    finally:
+        store.wait()
+        member.stop()
+        close_local_group()
+    log.info("trainer done: %d steps, idle %.0f%% of %.0f s", step, 100 * idle_s / max(time.monotonic() - started, 1e-9),
+             time.monotonic() - started)
+    return 0
+
+
+def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
+    while True:
+        answer = orchestrator.post("/v1/rl/batch", {"step": step})
+        if answer.get("status") == "ok":
+            return answer
+        if answer.get("status") == "done":
+            return None
+
+
+def _publish_if_missing(member: BroadcastMember, version: int, model, base: Path, meta: dict) -> None:
+    """Publishes `version` unless the coordinator already has it (a restarted trainer)."""
+    try:
+        newest = int(member.manifest()["version"])
+    except BroadcastError:
+        newest = -1
+    if newest >= version:
+        log.info("version %d is already published (newest %d)", version, newest)
+        return
+    publish_policy(member, version, model, base, meta)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""One policy update from scored groups: what the synchronous loop and the trainer process both run.
+
+Rows are completions with the advantage their group gave them (computed by whoever scored them: the
+loop here, the orchestrator in a distributed run); `old` logprobs are the generating policy's, as the
+worker reported them and the verifier checked them. `epochs` > 1 takes several optimizer steps on the
+same rows, which is where the two-sided ratio clipping starts to matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prime.rl.grpo import GRPOConfig, grpo_loss, token_logprobs
+
+
+@dataclass
+class Row:
+    """A completion to learn from: its prompt and tokens, the logprobs it was sampled with, its advantage."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    advantage: float
+
+
+def tensors(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [rows, width] right-padded; mask, old logprobs [rows, width - 1] aligned with the logits that
+    chose each completion token; advantages [rows]."""
+    width = max(len(r.prompt) + len(r.tokens) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width - 1)
+    old = torch.zeros(len(rows), width - 1)
+    for i, r in enumerate(rows):
+        sequence = r.prompt + r.tokens
+        ids[i, :len(sequence)] = torch.tensor(sequence)
+        start = len(r.prompt) - 1  # the position whose logits chose the first completion token
+        mask[i, start:start + len(r.tokens)] = 1
+        old[i, start:start + len(r.tokens)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return ids, mask, old, torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+
+
+def policy_update(model, optimizer, rows: list[Row], config: GRPOConfig, temperature: float, pad_id: int,
+                  epochs: int = 1, max_grad_norm: float = 1.0, reference=None) -> dict[str, float]:
+    """`epochs` optimizer steps on `rows`; the statistics of the first pass (its ratios measure how far
+    the rows' generating versions are from this one) and the clipping of the last. reference: a frozen
+    model for the KL term (config.kl_coef > 0)."""
+    if not rows:
+        return {"loss": 0.0, "rows": 0.0}
+    ids, mask, old, advantages = tensors(rows, pad_id)
+    reference_logprobs = None
+    if reference is not None and config.kl_coef > 0:
+        with torch.no_grad():
+            reference_logprobs = token_logprobs(reference(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature)
+    model.train()
+    stats: dict[str, float] = {"rows": float(len(rows))}
+    for epoch in range(epochs):
+        logits = model(input_ids=ids).logits[:, :-1]  # right padding, causal: pads are never attended to
+        new = token_logprobs(logits, ids[:, 1:], temperature)
+        with torch.set_grad_enabled(config.entropy_coef > 0):  # a bonus needs its gradient; a statistic does not
+            logp = torch.log_softmax(logits.float() / temperature, -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+        loss, loss_stats = grpo_loss(new, old, advantages, mask, config, reference=reference_logprobs,
+                                     entropy=entropy)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        if epoch == 0:
+            stats |= loss_stats | {"loss": loss.item(), "grad_norm": grad_norm.item()}
+        if epoch == epochs - 1 and epochs > 1:
+            stats |= {"last_clip_fraction": loss_stats["clip_fraction"], "last_ratio_max": loss_stats["ratio_max"]}
+    model.eval()
+    return stats

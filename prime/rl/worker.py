@@ -1,0 +1,177 @@
+"""An inference worker (untrusted): joins with a worker token, holds the policy version it is told to
+use (fetched through the broadcast and re-served to other workers), generates rollouts for leased
+prompts with the seeds the orchestrator chose, and returns them with their TOPLOC proofs.
+
+    python -m prime.rl.worker --token-file worker.token --work-dir runs/rl/worker-a
+
+The worker learns the orchestrator's address from the policy manifest (signed by the coordinator). It
+exits 0 when the run ends, 3 when it is evicted, 2 when its token is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from elastic_mesh.broadcast.member import (
+    BroadcastError,
+    BroadcastMember,
+    BroadcastSettings,
+)
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from prime.core.cli import setup_logging
+from prime.inference.engine import Completion, GenerationRequest
+from prime.inference.hf_engine import HFEngine, load_hf_policy
+from prime.inference.sampling import SamplingParams
+from prime.rl.cli import read_token_argument
+from prime.rl.policy_transport import POLICY_KIND, fetch_policy, meta_of, write_policy
+from prime.verify.thresholds import ToplocThresholds
+
+log = logging.getLogger("prime.rl.worker")
+
+EXIT_DONE, EXIT_REFUSED, EXIT_EVICTED = 0, 2, 3
+# What a test may put between generation and submission (prime/testing/rogue_worker.py): never set in
+# production. (requests, completions, engine) -> completions.
+Tamper = Callable[[list[GenerationRequest], list[Completion], HFEngine], list[Completion]]
+
+
+class HeldPolicy:
+    """The versions this worker holds: the newest one it loaded generates; a background follower loads
+    each new one as it is announced, so a worker is rarely told to fetch."""
+
+    def __init__(self, member: BroadcastMember, root: Path, dtype: torch.dtype) -> None:
+        self.member, self.root, self.dtype = member, root, dtype
+        self.version = -1
+        self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
+        self.lock = threading.Lock()
+
+    def load(self, directory: Path, version: int) -> None:
+        with self.lock:
+            if version in self.engines:
+                return
+        model = load_hf_policy(directory, dtype=self.dtype)
+        tokenizer_config = json.loads((directory / "config.json").read_text())
+        engine = HFEngine(model, pad_id=int(tokenizer_config.get("pad_token_id") or 0),
+                          proof=ToplocThresholds.load(directory).proof)
+        with self.lock:
+            self.engines[version] = engine
+            self.version = max(self.version, version)
+            for old in sorted(self.engines)[:-2]:
+                del self.engines[old]
+        log.info("policy version %d loaded", version)
+
+    def fetch(self, version: int) -> None:
+        self.load(fetch_policy(self.member, self.member.manifest(version), self.root), version)
+
+    def follow(self) -> None:
+        self.member.follow(on_version=lambda target, report: self.load(write_policy(target, self.root), target.version))
+
+
+def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prime.rl.worker", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--token", help="a worker token of the run")
+    parser.add_argument("--token-file", type=Path, help="read the token from this file instead")
+    parser.add_argument("--work-dir", type=Path, required=True, help="policy versions are kept (and served) from here")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype (claimed in every rollout; the verifier holds it to that dtype's limits)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for generation (default 1)")
+    parser.add_argument("--port", type=int, default=0, help="port of this worker's chunk server (0: any)")
+    parser.add_argument("--advertise-host", default=None, help="host other workers reach this one at")
+    parser.add_argument("--wait-s", type=float, default=600, help="how long to wait for the first policy version")
+    args = parser.parse_args(argv)
+    setup_logging("[worker] ")
+    torch.set_num_threads(args.threads)
+    token = read_token_argument(args.token, args.token_file)
+    settings = BroadcastSettings(keep=2, port=args.port, advertise_host=args.advertise_host)
+    try:
+        member = BroadcastMember(token, POLICY_KIND, args.work_dir / "broadcast", settings)
+    except BroadcastError as e:
+        log.error("cannot join: %s", e)
+        return EXIT_REFUSED
+    try:
+        newest = member.wait_newer(-1, timeout_s=args.wait_s)
+    except BroadcastError as e:
+        log.error("cannot read the policy broadcast: %s", e)
+        return EXIT_REFUSED
+    if newest is None:
+        log.error("no policy version was published within %.0f s; is the trainer running?", args.wait_s)
+        return EXIT_REFUSED
+    address = meta_of(newest).get("orchestrator")
+    if not address:
+        log.error("the policy manifest names no orchestrator; is the trainer a prime.rl trainer?")
+        return EXIT_REFUSED
+    held = HeldPolicy(member, args.work_dir / "policies", getattr(torch, args.dtype))
+    held.fetch(int(newest["version"]))
+    threading.Thread(target=held.follow, daemon=True, name="policy-follower").start()
+    orchestrator = CoordinatorClient(address, request_timeout_s=60, retry_s=60, bearer=token)
+    log.info("worker ready at version %d; orchestrator %s", held.version, address)
+    rollouts, busy_s, started = 0, 0.0, time.monotonic()
+    try:
+        while True:
+            try:
+                answer = orchestrator.post("/v1/rl/lease", {"held": held.version})
+            except CoordinatorError as e:
+                return _ended(e, "lease")
+            status = answer.get("status")
+            if status == "done":
+                log.info("the run is over: %d rollouts in %.0f s (busy %.0f%%)", rollouts,
+                         time.monotonic() - started, 100 * busy_s / max(time.monotonic() - started, 1e-9))
+                return EXIT_DONE
+            if status == "fetch":
+                log.info("told to fetch version %d (holding %d)", answer["version"], held.version)
+                held.fetch(int(answer["version"]))
+                continue
+            if status != "ok":
+                continue
+            began = time.monotonic()
+            with held.lock:
+                engine = held.engines.get(int(answer["version"]))
+            if engine is None:  # only if two versions arrived during the request
+                held.fetch(int(answer["version"]))
+                engine = held.engines[int(answer["version"])]
+            sampling = SamplingParams.model_validate(answer["sampling"])
+            requests = [GenerationRequest(list(r["prompt"]), int(r["seed"]), sampling) for r in answer["requests"]]
+            completions = engine.generate(requests)
+            if tamper is not None:
+                completions = tamper(requests, completions, engine)
+            body = {"lease": answer["lease"], "completions": [_wire(c, args.dtype) for c in completions]}
+            busy_s += time.monotonic() - began
+            try:
+                result = orchestrator.post("/v1/rl/submit", body)
+            except CoordinatorError as e:
+                return _ended(e, "submit")
+            if result.get("status") == "accepted":
+                rollouts += len(completions)
+            else:
+                log.info("lease %s: %s", answer["lease"], result.get("status"))
+    finally:
+        member.stop()
+
+
+def _wire(completion: Completion, dtype: str) -> dict:
+    return {"tokens": completion.tokens, "logprobs": completion.logprobs, "finish_reason": completion.finish_reason,
+            "proof": base64.b64encode(completion.proof).decode(), "compute_dtype": dtype}
+
+
+def _ended(error: CoordinatorError, what: str) -> int:
+    if error.status == 403 and "evicted" in str(error):
+        log.error("evicted by the orchestrator: %s", error)
+        return EXIT_EVICTED
+    if error.status in (401, 403):
+        log.error("the orchestrator refused this worker's %s: %s", what, error)
+        return EXIT_REFUSED
+    log.error("the orchestrator is gone (%s): %s; assuming the run is over", what, error)
+    return EXIT_DONE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

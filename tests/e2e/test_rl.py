@@ -1,0 +1,57 @@
+"""Asynchronous GRPO with real processes: coordinator, orchestrator, trainer and workers, each started
+through its command line, talking over sockets; the policy travels by broadcast and every rollout is
+verified. Faults: a worker SIGKILLed while it holds a lease, a cheating worker, a worker joining
+mid-run, the trainer SIGKILLed and restarted."""
+
+from __future__ import annotations
+
+import json
+
+from elastic_mesh.control.client import CoordinatorClient
+from elastic_mesh.control.token import read_token
+from launch.cluster import wait_for
+from launch.rl_cluster import RLCluster, new_policy
+
+MAX_STEPS = 24
+
+
+def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path):
+    policy = new_policy(tmp_path / "policy")  # thresholds measured as the demo measures them
+    cluster = RLCluster(tmp_path / "run", policy, orchestrator_sets=[
+        "prompts_per_step=8", "prompts_per_lease=2", "lease_s=4", "eval_every=8", "poll_s=2", "async_level=1"],
+        trainer_sets=[f"max_steps={MAX_STEPS}"])
+    with cluster:
+        cluster.start([])
+        # worker-a is honest but holds each lease 2 s, so it is surely mid-lease when it is killed
+        cluster.start_worker("worker-a", module="prime.testing.rogue_worker", extra=["--attack", "stall"])
+        cluster.start_worker("rogue", module="prime.testing.rogue_worker", extra=["--attack", "answer-swap"])
+        status = CoordinatorClient(cluster.orchestrator_address, retry_s=30,
+                                   bearer=cluster.token("trainer", publish=True).read_text())
+        assert cluster.wait("rogue", 120) == 3, cluster.log("rogue")  # exit 3: evicted
+        # worker-a SIGKILLed while it holds a lease: the lease's prompts must come back, none twice
+        worker_a = read_token(cluster.tokens["worker-a"]).token_id
+        wait_for(lambda: status.post("/v1/rl/status", {})["next_step"] >= 3, 120, "three batches")
+        wait_for(lambda: status.post("/v1/rl/status", {})["leases"].get(worker_a), 120, "worker-a holding a lease")
+        cluster.kill("worker-a")
+        killed_at = status.post("/v1/rl/status", {})["next_step"]
+        cluster.start_worker("worker-b")  # joins mid-run: must get the current version by broadcast
+        wait_for(lambda: status.post("/v1/rl/status", {})["next_step"] >= killed_at + 4, 180, "progress after the kill")
+        cluster.kill("trainer")
+        cluster.start_trainer()  # the same command: resumes from its checkpoint
+        assert cluster.wait("orchestrator", 240) == 0, cluster.log("orchestrator")
+        assert cluster.wait("worker-b", 60) == 0
+    summary = cluster.summary()
+    batches = cluster.events("batch")
+    rogue = read_token(cluster.tokens["rogue"]).token_id
+    assert summary["versions"] == MAX_STEPS and [b["step"] for b in batches] == list(range(MAX_STEPS))
+    numbers = [n for b in batches for n in b["prompt_numbers"]]
+    assert len(numbers) == len(set(numbers)) == 8 * MAX_STEPS  # no prompt in two batches (or twice in one)
+    assert all(rogue not in b["workers"] for b in batches)
+    assert rogue in summary["evicted"] and "sampling" in summary["evicted"][rogue]
+    assert summary["rollouts_rejected"] >= 16 and summary["workers_evicted"] == 1
+    assert summary["leases_expired"] >= 1  # worker-a's
+    assert "resumed from" in cluster.log("trainer")
+    loaded = [line for line in cluster.log("worker-b").splitlines() if "policy version" in line and "loaded" in line]
+    assert loaded and int(loaded[0].split("policy version ")[1].split()[0]) >= killed_at - 1 >= 2, loaded[:2]
+    trainer = [json.loads(line) for line in (cluster.run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trainer][-1] == MAX_STEPS and all(r["staleness_max"] <= 1 for r in trainer)

@@ -1,0 +1,155 @@
+"""The orchestrator's rules, in one process with real parts: a real digit policy (two versions), its
+TOPLOC thresholds from the real calibration command, the real verifier and engine. Only the version
+store is local (the broadcast that fills it in a run is tested in tests/e2e/test_rl.py)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from prime.inference.engine import GenerationRequest
+from prime.inference.hf_engine import HFEngine, eos_id_of, load_hf_policy
+from prime.inference.sampling import SamplingParams
+from prime.rl.environments.reverse import ReverseConfig, ReverseDigits
+from prime.rl.orchestrator.config import OrchestratorConfig
+from prime.rl.orchestrator.core import Orchestrator
+from prime.rl.policy import new_digit_policy
+from prime.rl.service import Refused
+from prime.rl.worker import _wire
+from prime.testing.rogue_worker import answer_swap
+from prime.verify.thresholds import ToplocThresholds
+from prime.verify.verifier import Verifier
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    directory = new_digit_policy(tmp_path_factory.mktemp("rl") / "policy", seed=0)
+    subprocess.run([sys.executable, "-m", "prime.verify.calibrate", "--model", str(directory), "--threads", "1",
+                    "--batch-sizes", "8", "--rollouts", "16", "--max-tokens", "8", "--margin", "16"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return directory
+
+
+class LocalVersions:
+    """What the orchestrator asks of its version store, over models held in memory."""
+
+    def __init__(self, directory) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        self.thresholds = ToplocThresholds.load(directory)
+        self.models: dict[int, torch.nn.Module] = {}
+        self.newest = -1
+        self.on_new = lambda version: None
+
+    def add(self, version: int, model) -> None:
+        self.models[version] = model
+        self.newest = max(self.newest, version)
+        self.on_new(version)
+
+    def verifier(self, version: int) -> Verifier:
+        model = self.models[version]
+        return Verifier(model, self.thresholds, eos_id_of(model), 64)
+
+    def model(self, version: int):
+        return self.models[version]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _orchestrator(policy, **settings) -> tuple[Orchestrator, LocalVersions, list[dict]]:
+    versions = LocalVersions(policy)
+    versions.add(0, load_hf_policy(policy))
+    config = OrchestratorConfig(env=ReverseConfig(), group_size=4, prompts_per_step=4, prompts_per_lease=2,
+                                poll_s=0.5, **settings)
+    events: list[dict] = []
+    return Orchestrator(config, ReverseDigits(config.env), versions, events.append), versions, events
+
+
+def _work(orchestrator: Orchestrator, versions: LocalVersions, lease: dict, tamper=None) -> dict:
+    """What an honest worker (or one with `tamper`) sends back for a lease."""
+    model = versions.model(lease["version"])
+    engine = HFEngine(model, pad_id=versions.tokenizer.pad_token_id, proof=versions.thresholds.proof)
+    sampling = SamplingParams.model_validate(lease["sampling"])
+    requests = [GenerationRequest(r["prompt"], r["seed"], sampling) for r in lease["requests"]]
+    completions = engine.generate(requests)
+    if tamper:
+        completions = tamper(requests, completions, engine)
+    return {"lease": lease["lease"], "completions": [_wire(c, "float32") for c in completions]}
+
+
+def test_leases_batches_and_returned_work(policy):
+    orchestrator, versions, events = _orchestrator(policy, async_level=1, lease_s=0.3)
+    first = orchestrator.lease("w1", held=0)
+    assert first["status"] == "ok" and len(first["requests"]) == 2 * 4
+    assert len({r["seed"] for r in first["requests"]}) == 8  # each sample its own seed, drawn by the orchestrator
+    orchestrator.lease("w2", held=0)  # w2 dies with this lease
+    threading.Event().wait(0.4)
+    orchestrator.expire()
+    assert orchestrator.counters.leases_expired == 2 and not orchestrator.leases
+    assert orchestrator.submit("w1", _work(orchestrator, versions, first))["status"] == "expired"  # too late
+    again = orchestrator.lease("w1", held=0)
+    assert [r["prompt"] for r in again["requests"]] == [r["prompt"] for r in first["requests"]]  # returned first
+    assert orchestrator.submit("w1", _work(orchestrator, versions, again))["status"] == "accepted"
+    numbers = set()
+    while orchestrator.next_step < 2:
+        lease = orchestrator.lease("w1", held=0)
+        assert lease["status"] == "ok", lease
+        assert orchestrator.submit("w1", _work(orchestrator, versions, lease))["status"] == "accepted"
+        if len(orchestrator.ready) >= 4:
+            batch = orchestrator.batch(orchestrator.next_step)
+            assert batch["status"] == "ok" and all(r["version"] == 0 for r in batch["rows"])
+            numbers.update(batch["stats"]["prompt_numbers"])
+    assert len(numbers) == 8  # every prompt in at most one batch...
+    assert orchestrator.batch(1) is orchestrator.batches[1]  # ...and a batch asked again is the same batch
+    assert [e["step"] for e in events if e["event"] == "batch"] == [0, 1]
+    # async level 1: the next batch is step 2, so version 0 can no longer serve it
+    assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 0}
+
+
+def test_rollouts_older_than_the_async_level_are_dropped_and_the_worker_told_to_fetch(policy):
+    orchestrator, versions, _ = _orchestrator(policy, async_level=0)
+    lease = orchestrator.lease("w1", held=0)
+    versions.add(1, copy.deepcopy(versions.model(0)))
+    orchestrator.next_step = 1  # the trainer has moved on: batch 1 takes version >= 1 at async level 0
+    answer = orchestrator.submit("w1", _work(orchestrator, versions, lease))
+    assert answer == {"status": "stale", "version": 1}
+    assert orchestrator.counters.rollouts_stale == 8 and not orchestrator.ready
+    assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 1}
+    again = orchestrator.lease("w1", held=1)
+    assert again["status"] == "ok" and again["version"] == 1
+    assert {tuple(r["prompt"]) for r in again["requests"]} >= {tuple(r["prompt"]) for r in lease["requests"][:4]}
+
+
+def test_a_cheating_worker_is_evicted_and_none_of_its_rollouts_enters_a_batch(policy):
+    orchestrator, versions, events = _orchestrator(policy, async_level=2)
+    honest = orchestrator.lease("rogue", held=0)
+    assert orchestrator.submit("rogue", _work(orchestrator, versions, honest))["status"] == "accepted"
+    cheat = orchestrator.lease("rogue", held=0)
+    pending = orchestrator.lease("rogue", held=0)
+    with pytest.raises(Refused, match="evicted: .*sampling"):
+        orchestrator.submit("rogue", _work(orchestrator, versions, cheat, tamper=answer_swap))
+    assert not orchestrator.ready and pending["lease"] not in orchestrator.leases  # its earlier groups and leases too
+    assert orchestrator.counters.rollouts_rejected == 16
+    with pytest.raises(Refused, match="evicted"):
+        orchestrator.lease("rogue", held=0)
+    with pytest.raises(Refused, match="evicted"):
+        orchestrator.submit("rogue", _work(orchestrator, versions, pending))
+    assert [e["worker"] for e in events if e["event"] == "evicted"] == ["rogue"]
+
+
+def test_malformed_submissions_evict_without_reaching_the_verifier(policy):
+    orchestrator, versions, _ = _orchestrator(policy)
+    lease = orchestrator.lease("w", held=0)
+    body = _work(orchestrator, versions, lease)
+    body["completions"][0]["logprobs"] = ["nan"]
+    with pytest.raises(Refused, match="malformed submission: logprobs"):
+        orchestrator.submit("w", body)
