@@ -22,7 +22,10 @@ from elastic_mesh.broadcast.member import BroadcastSettings
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from prime.config import JobConfig
 from prime.inference.sampling import SamplingParams
+from prime.rl.environments.math_answers import MathConfig
+from prime.rl.environments.reasoning_gym import ReasoningGymConfig
 from prime.rl.environments.reverse import ReverseConfig
+from prime.rl.environments.terms import RewardTerms
 from prime.rl.grpo import GRPOConfig
 from prime.rl.orchestrator.config import OnlineFilter, OrchestratorConfig
 from prime.rl.trainer import RLTrainerConfig
@@ -36,6 +39,8 @@ END = "<!-- END GENERATED -->"
 
 def _type_name(annotation: object) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
@@ -98,7 +103,8 @@ def generate() -> str:
     out += ["### RL orchestrator (`python -m prime.rl.orchestrator --set FIELD=VALUE` or `--config FILE.toml`)", "",
             (OrchestratorConfig.__doc__ or "The orchestrator's settings.").strip(), ""]
     out += _table(OrchestratorConfig, lambda name: f"--set {name}=") + [""]
-    for prefix, model in (("env", ReverseConfig), ("filter", OnlineFilter)):
+    for prefix, model in (("env", ReverseConfig), ("env", ReasoningGymConfig), ("env", MathConfig),
+                          ("reward_terms", RewardTerms), ("filter", OnlineFilter)):
         out += [f"#### `{prefix}.*` ({model.__name__})", "", (model.__doc__ or "").strip().splitlines()[0], ""]
         out += _table(model, lambda name, p=prefix: f"--set {p}.{name}=") + [""]
     out += ["### RL trainer (`python -m prime.rl.trainer --set FIELD=VALUE` or `--config FILE.toml`)", "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Iterator
+from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,8 @@ class ReverseConfig(BaseModel):
     """The built-in task: which digit strings to reverse, and how many are held out for evaluation."""
 
     model_config = ConfigDict(extra="forbid")
+
+    name: Literal["reverse"] = "reverse"
 
     min_digits: int = Field(4, ge=1, le=64, description="Shortest digit string.")
     max_digits: int = Field(4, ge=1, le=64, description="Longest digit string.")

@@ -21,7 +21,7 @@ from elastic_mesh.control.token import JoinToken, read_token
 from prime.core.cli import setup_logging
 from prime.inference.hf_engine import HFEngine
 from prime.rl.cli import load_config, read_token_argument
-from prime.rl.environments.reverse import ReverseDigits
+from prime.rl.environments import build_environment
 from prime.rl.loop import evaluate
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast", BroadcastSettings(keep=config.async_level + 2))
     versions = PolicyVersions(member, args.run_dir / "policies", keep=config.async_level + 2,
                               verify_batch_size=config.verify_batch_size)
-    env = ReverseDigits(config.env)
+    env = build_environment(config.env, config.reward_terms)
     orchestrator = Orchestrator(config, env, versions, record)
     evaluations = Evaluations(orchestrator, versions, env, record)
     versions.on_new = lambda v: (orchestrator._on_new_version(v),

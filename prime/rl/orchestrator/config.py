@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prime.rl.environments import EnvConfig
 from prime.rl.environments.reverse import ReverseConfig
+from prime.rl.environments.terms import RewardTerms
 
 
 class OnlineFilter(BaseModel):
@@ -25,7 +27,9 @@ class OrchestratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    env: ReverseConfig = Field(default_factory=ReverseConfig, description="The built-in reverse task.")
+    env: EnvConfig = Field(default_factory=ReverseConfig, description="The task source, by name: reverse (built in), "
+                           "reasoning-gym (a procedural dataset), math (a local NuminaMath-style jsonl).")
+    reward_terms: RewardTerms = Field(default_factory=RewardTerms, description="Optional format and length terms.")
     seed: int = Field(0, description="Seed of the task stream and of the sampling seeds handed to workers.")
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     prompts_per_step: int = Field(32, ge=1, description="Prompts whose groups make one trainer batch.")
