@@ -37,8 +37,10 @@ def new_policy(out: Path, seed: int = 0, calibrate_args: list[str] | None = None
 
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
-                 trainer_sets: list[str] | None = None, echo: bool = False) -> None:
-        self.run_dir, self.policy = Path(run_dir), Path(policy)
+                 trainer_sets: list[str] | None = None, echo: bool = False, wan=None) -> None:
+        """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
+        orchestrator, trainer, worker names): each process runs in its host's namespace."""
+        self.run_dir, self.policy, self.wan = Path(run_dir), Path(policy), wan
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
         self.echo = echo
         self.procs: dict[str, subprocess.Popen] = {}
@@ -50,9 +52,13 @@ class RLCluster:
     def state_dir(self) -> Path:
         return self.run_dir / "coordinator"
 
+    def host(self, name: str) -> str:
+        return self.wan.address(name) if self.wan else "127.0.0.1"
+
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "a", encoding="utf-8")
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+        prefix = self.wan.exec_prefix(name) if self.wan else []
+        proc = subprocess.Popen(prefix + cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
                                 start_new_session=True)
         log.close()
         self.procs[name] = proc
@@ -76,7 +82,8 @@ class RLCluster:
     def start_coordinator(self) -> None:
         address = self.state_dir / "address"
         address.unlink(missing_ok=True)
-        self.spawn("coordinator", [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host", "127.0.0.1",
+        self.spawn("coordinator", [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host",
+                                   self.host("coordinator"),
                                    "--port", "0", "--state-dir", str(self.state_dir)])
         wait_for(lambda: address.exists() or self._died("coordinator"), 60, "the coordinator's address")
 
@@ -85,7 +92,8 @@ class RLCluster:
         address.unlink(missing_ok=True)
         self.spawn("orchestrator", [sys.executable, "-m", "prime.rl.orchestrator", "--token-file",
                                     str(self.token("orchestrator")), "--run-dir", str(self.run_dir / "orchestrator"),
-                                    "--host", "127.0.0.1", *[f"--set={s}" for s in self.orchestrator_sets]])
+                                    "--host", self.host("orchestrator"), "--advertise-host", self.host("orchestrator"),
+                                    *[f"--set={s}" for s in self.orchestrator_sets]])
         wait_for(lambda: address.exists() or self._died("orchestrator"), 120, "the orchestrator's address")
         self.orchestrator_address = address.read_text().strip()
 
@@ -93,11 +101,12 @@ class RLCluster:
         self.spawn("trainer", [sys.executable, "-m", "prime.rl.trainer", "--token-file",
                                str(self.token("trainer", publish=True)), "--policy", str(self.policy),
                                "--orchestrator", self.orchestrator_address, "--run-dir", str(self.run_dir / "trainer"),
+                               "--advertise-host", self.host("trainer"),
                                *[f"--set={s}" for s in self.trainer_sets]])
 
     def start_worker(self, name: str, module: str = "prime.rl.worker", extra: list[str] | None = None) -> None:
         self.spawn(name, [sys.executable, "-m", module, "--token-file", str(self.token(name)),
-                          "--work-dir", str(self.run_dir / name), *(extra or [])])
+                          "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name), *(extra or [])])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]

@@ -123,12 +123,18 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 return _ended(e, "lease")
             status = answer.get("status")
             if status == "done":
-                log.info("the run is over: %d rollouts in %.0f s (busy %.0f%%)", rollouts,
-                         time.monotonic() - started, 100 * busy_s / max(time.monotonic() - started, 1e-9))
+                elapsed = time.monotonic() - started
+                log.info("the run is over: %d rollouts in %.0f s (busy %.0f%%)", rollouts, elapsed,
+                         100 * busy_s / max(elapsed, 1e-9))
+                (args.work_dir / "worker.json").write_text(json.dumps(
+                    {"rollouts": rollouts, "seconds": round(elapsed, 3), "busy_s": round(busy_s, 3)}))
                 return EXIT_DONE
             if status == "fetch":
                 log.info("told to fetch version %d (holding %d)", answer["version"], held.version)
-                held.fetch(int(answer["version"]))
+                try:
+                    held.fetch(int(answer["version"]))
+                except BroadcastError as e:  # no source left for it: a newer one will come
+                    log.warning("version %d not fetched: %s", answer["version"], e)
                 continue
             if status != "ok":
                 continue
@@ -136,7 +142,11 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
             with held.lock:
                 engine = held.engines.get(int(answer["version"]))
             if engine is None:  # only if two versions arrived during the request
-                held.fetch(int(answer["version"]))
+                try:
+                    held.fetch(int(answer["version"]))
+                except BroadcastError as e:
+                    log.warning("leased version %d not fetched: %s; the lease will expire", answer["version"], e)
+                    continue
                 engine = held.engines[int(answer["version"])]
             sampling = SamplingParams.model_validate(answer["sampling"])
             requests = [GenerationRequest(list(r["prompt"]), int(r["seed"]), sampling) for r in answer["requests"]]

@@ -97,3 +97,35 @@ def test_the_synchronous_loop_runs_generate_score_step_on_a_fresh_digit_policy(t
     assert {"reward_mean", "groups_kept", "ratio_mean", "clip_fraction", "entropy", "loss"} <= set(records[0])
     assert records[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: the worker's logprobs are the trainer's
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_entropy_bonus_pushes_towards_spread_and_is_off_by_default():
+    entropy = torch.tensor([[0.5, 1.0]], requires_grad=True)
+    zeros, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    loss, stats = grpo_loss(zeros, zeros, torch.tensor([0.0]), mask, GRPOConfig(entropy_coef=0.1), entropy=entropy)
+    loss.backward()
+    assert entropy.grad.tolist() == [[pytest.approx(-0.05), pytest.approx(-0.05)]]  # more entropy, lower loss
+    assert stats["entropy"] == pytest.approx(0.75)
+    assert GRPOConfig().entropy_coef == 0.0
+
+
+def test_a_second_epoch_on_the_same_rows_is_off_policy_and_clipped():
+    from prime.rl.update import Row, policy_update
+
+    class Tiny(torch.nn.Module):  # logits straight from an embedding: a policy small enough to reason about
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(6, 6)
+
+        def forward(self, input_ids):
+            return type("Output", (), {"logits": self.embedding(input_ids)})()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    with torch.no_grad():
+        old = token_logprobs(model(torch.tensor([[1, 2, 3]])).logits[0, :-1], torch.tensor([2, 3]), 1.0).tolist()
+    rows = [Row([1], [2, 3], old, 1.0), Row([1], [2, 3], old, 0.5)]
+    stats = policy_update(model, torch.optim.SGD(model.parameters(), lr=5.0), rows, GRPOConfig(), 1.0, pad_id=0,
+                          epochs=3)
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["clip_fraction"] == 0  # the first pass is on-policy
+    assert stats["last_ratio_max"] > 1.2 and stats["last_clip_fraction"] > 0  # later ones see the moved policy

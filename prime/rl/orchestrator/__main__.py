@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True, help="metrics, summary and policy copies go here")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     parser.add_argument("--port", type=int, default=0, help="port (0: any free one; see RUN_DIR/address)")
-    parser.add_argument("--advertise", default=None, help="host:port the trainer and workers reach this at "
-                        "(default 127.0.0.1:PORT)")
+    parser.add_argument("--advertise-host", default=None, help="host the trainer and workers reach this at "
+                        "(default 127.0.0.1); the port is --port's (or the one picked)")
     parser.add_argument("--config", type=Path, help="a TOML file of OrchestratorConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
     args = parser.parse_args(argv)
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write(json.dumps(event) + "\n")
             metrics.flush()
 
-    member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast", BroadcastSettings(keep=config.async_level + 2))
+    member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
+                             BroadcastSettings(keep=config.async_level + 2, advertise_host=args.advertise_host))
     versions = PolicyVersions(member, args.run_dir / "policies", keep=config.async_level + 2,
                               verify_batch_size=config.verify_batch_size)
     env = build_environment(config.env, config.reward_terms)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "newest": versions.newest, "leases": orchestrator.leases_by_worker(),
                                              **orchestrator.totals()}}
     server = JsonServer(args.host, args.port, routes, check)
-    advertise = args.advertise or f"127.0.0.1:{server.port}"
+    advertise = f"{args.advertise_host or '127.0.0.1'}:{server.port}"
     server.start()
     staging = args.run_dir / "address.tmp"
     staging.write_text(advertise)

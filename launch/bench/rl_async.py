@@ -1,0 +1,135 @@
+"""Benchmark: asynchronous GRPO at async levels 0, 1, 2 and 4 under an emulated WAN where moving a
+policy version takes about as long as a training step. Same seed, same wall-clock budget per level.
+
+Every role is its own process in its own network namespace (launch/wan/harness.py: netem where the
+kernel has it, else the user-space TUN emulator; the output says which), every host behind the same
+access link (--latency-ms one way, --mbit up and down). Each level starts afresh from the same fresh
+policy (seed --seed, thresholds measured once) and runs until the held-out reward reaches 0.95 or
+--budget-s passes. Reported per level: time to held-out reward 0.9, trainer idle fraction, worker idle
+fraction, mean and max staleness of the batches, final held-out reward, the trainer's mean step time and
+the workers' mean time to fetch a version. A PNG of reward against time. Last line:
+
+    rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
+
+    sudo python launch/bench/rl_async.py [--levels 0,1,2,4] [--budget-s 300] [--latency-ms 40] [--mbit 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launch.rl_cluster import RLCluster, new_policy  # noqa: E402
+from launch.wan.harness import LinkProfile, WanTopology  # noqa: E402
+
+WORKERS = ["worker-a", "worker-b"]
+
+
+def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int) -> dict:
+    hosts = ["coordinator", "orchestrator", "trainer", *WORKERS]
+    with WanTopology(hosts, link) as wan:
+        cluster = RLCluster(out, policy, wan=wan, orchestrator_sets=[
+            f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60"],
+            trainer_sets=["max_steps=2000"])
+        with cluster:
+            cluster.start(WORKERS)
+            started = time.monotonic()
+            while cluster.procs["orchestrator"].poll() is None and time.monotonic() - started < budget_s:
+                time.sleep(1.0)
+            timed_out = cluster.procs["orchestrator"].poll() is None
+            if not timed_out:
+                for name in WORKERS:
+                    cluster.wait(name, 60)
+        backend = wan.backend
+    evals, batches, trainer = cluster.events("eval"), cluster.events("batch"), cluster.trainer_records()
+    reached = next((e["time_s"] for e in evals if e["eval_reward"] >= 0.9), None)
+    workers = [json.loads((out / n / "worker.json").read_text()) for n in WORKERS if (out / n / "worker.json").exists()]
+    fetches = [float(m) for n in WORKERS for m in re.findall(r"fetched in ([0-9.]+) s", cluster.log(n))]
+    return {"level": level, "backend": backend, "time_to_0.9_s": reached, "timed_out": timed_out,
+            "final_reward": evals[-1]["eval_reward"] if evals else None, "versions": len(trainer),
+            "trainer_idle": trainer[-1]["idle_fraction"] if trainer else None,
+            "worker_idle": 1 - sum(w["busy_s"] for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9)
+            if workers else None,
+            "staleness_mean": sum(b["staleness_mean"] for b in batches) / max(len(batches), 1),
+            "staleness_max": max((b["staleness_max"] for b in batches), default=0),
+            "train_step_s": sum(r["train_s"] for r in trainer) / max(len(trainer), 1),
+            "rollouts_stale": batches[-1]["rollouts_stale"] if batches else 0,
+            "fetch_s": sum(fetches) / len(fetches) if fetches else None,
+            "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="0,1,2,4", help="async levels to run (default 0,1,2,4)")
+    parser.add_argument("--budget-s", type=float, default=300, help="wall-clock budget per level (default 300)")
+    parser.add_argument("--latency-ms", type=float, default=40, help="one-way latency of every access link")
+    parser.add_argument("--mbit", type=float, default=20, help="rate of every access link, each direction")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    root = args.out or Path(tempfile.mkdtemp(prefix="rl-async-"))
+    root.mkdir(parents=True, exist_ok=True)
+    policy = new_policy(root / "policy", seed=args.seed)
+    link = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.mbit, down_mbit=args.mbit)
+    results = []
+    for level in levels:
+        shutil.rmtree(root / f"async{level}", ignore_errors=True)
+        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed)
+        results.append(result)
+        print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s): "
+              f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
+              f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
+              f"{_pct(result['worker_idle'])}, staleness mean {result['staleness_mean']:.2f} max "
+              f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
+              f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    _plot(results, root / "rl_async.png")
+    by = {r["level"]: r for r in results}
+    times = ", ".join(f"async{lv} {_s(by[lv]['time_to_0.9_s'])}" for lv in levels)
+    idle = ", ".join(f"async{lv} {_pct(by[lv]['trainer_idle'])}" for lv in (0, 2) if lv in by)
+    print(f"plot {root / 'rl_async.png'}")
+    print(f"rl_async: time to reward 0.9 — {times}; trainer idle {idle}")
+    return 0
+
+
+def _s(value, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r["evals"]:
+            axis.plot(*zip(*r["evals"]), marker=".", label=f"async {r['level']}")
+    axis.set_xlabel("seconds since the orchestrator started")
+    axis.set_ylabel("held-out reward (greedy)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
