@@ -11,7 +11,7 @@ the workers' mean time to fetch a version. A PNG of reward against time. Last li
 
     rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
 
-    sudo python launch/bench/rl_async.py [--levels 0,1,2,4] [--budget-s 300] [--latency-ms 40] [--mbit 20]
+    sudo python launch/bench/rl_async.py [--levels 0,1,2,4] [--budget-s 300] [--latency-ms 10] [--mbit 50]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
     hosts = ["coordinator", "orchestrator", "trainer", *WORKERS]
     with WanTopology(hosts, link) as wan:
         cluster = RLCluster(out, policy, wan=wan, orchestrator_sets=[
-            f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60"],
+            f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
+            "prompts_per_lease=8"],
             trainer_sets=["max_steps=2000"])
         with cluster:
             cluster.start(WORKERS)
@@ -71,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="0,1,2,4", help="async levels to run (default 0,1,2,4)")
     parser.add_argument("--budget-s", type=float, default=300, help="wall-clock budget per level (default 300)")
-    parser.add_argument("--latency-ms", type=float, default=40, help="one-way latency of every access link")
-    parser.add_argument("--mbit", type=float, default=20, help="rate of every access link, each direction")
+    parser.add_argument("--latency-ms", type=float, default=10, help="one-way latency of every access link "
+                        "(default 10: 40 ms round trip between two hosts)")
+    parser.add_argument("--mbit", type=float, default=50, help="rate of every access link, each direction (default "
+                        "50: a 1.2 MB version in ~0.2 s plus round trips, about one training step here)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

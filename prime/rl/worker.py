@@ -53,7 +53,7 @@ class HeldPolicy:
         self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
         self.lock = threading.Lock()
 
-    def load(self, directory: Path, version: int) -> None:
+    def load(self, directory: Path, version: int, fetch_s: float | None = None) -> None:
         with self.lock:
             if version in self.engines:
                 return
@@ -66,13 +66,16 @@ class HeldPolicy:
             self.version = max(self.version, version)
             for old in sorted(self.engines)[:-2]:
                 del self.engines[old]
-        log.info("policy version %d loaded", version)
+        log.info("policy version %d loaded%s", version, f" (fetched in {fetch_s:.2f} s)" if fetch_s is not None else "")
 
     def fetch(self, version: int) -> None:
-        self.load(fetch_policy(self.member, self.member.manifest(version), self.root), version)
+        started = time.monotonic()
+        directory = fetch_policy(self.member, self.member.manifest(version), self.root)
+        self.load(directory, version, time.monotonic() - started)
 
     def follow(self) -> None:
-        self.member.follow(on_version=lambda target, report: self.load(write_policy(target, self.root), target.version))
+        self.member.follow(on_version=lambda target, report: self.load(write_policy(target, self.root), target.version,
+                                                                       report.seconds))
 
 
 def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
@@ -126,8 +129,7 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 elapsed = time.monotonic() - started
                 log.info("the run is over: %d rollouts in %.0f s (busy %.0f%%)", rollouts, elapsed,
                          100 * busy_s / max(elapsed, 1e-9))
-                (args.work_dir / "worker.json").write_text(json.dumps(
-                    {"rollouts": rollouts, "seconds": round(elapsed, 3), "busy_s": round(busy_s, 3)}))
+                _write_stats(args.work_dir, rollouts, elapsed, busy_s)
                 return EXIT_DONE
             if status == "fetch":
                 log.info("told to fetch version %d (holding %d)", answer["version"], held.version)
@@ -161,10 +163,18 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 return _ended(e, "submit")
             if result.get("status") == "accepted":
                 rollouts += len(completions)
+                _write_stats(args.work_dir, rollouts, time.monotonic() - started, busy_s)
             else:
                 log.info("lease %s: %s", answer["lease"], result.get("status"))
     finally:
         member.stop()
+
+
+def _write_stats(work_dir: Path, rollouts: int, seconds: float, busy_s: float) -> None:
+    """worker.json: what this worker did so far (read by launch/bench/rl_async.py for the idle fraction)."""
+    staging = work_dir / "worker.json.tmp"
+    staging.write_text(json.dumps({"rollouts": rollouts, "seconds": round(seconds, 3), "busy_s": round(busy_s, 3)}))
+    staging.replace(work_dir / "worker.json")
 
 
 def _wire(completion: Completion, dtype: str) -> dict:
