@@ -37,12 +37,11 @@ def new_policy(out: Path, seed: int = 0, calibrate_args: list[str] | None = None
 
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
-                 trainer_sets: list[str] | None = None, echo: bool = False, wan=None) -> None:
+                 trainer_sets: list[str] | None = None, wan=None) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
         orchestrator, trainer, worker names): each process runs in its host's namespace."""
         self.run_dir, self.policy, self.wan = Path(run_dir), Path(policy), wan
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
-        self.echo = echo
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
         self.orchestrator_address = ""

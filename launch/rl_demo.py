@@ -18,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from launch.rl_cluster import RLCluster, new_policy  # noqa: E402
+from launch.rl_cluster import RLCluster, new_policy
 
 
 def main(argv: list[str] | None = None) -> int:

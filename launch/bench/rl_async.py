@@ -20,15 +20,12 @@ import argparse
 import json
 import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from launch.rl_cluster import RLCluster, new_policy  # noqa: E402
-from launch.wan.harness import LinkProfile, WanTopology  # noqa: E402
+from launch.rl_cluster import RLCluster, new_policy
+from launch.wan.harness import LinkProfile, WanTopology
 
 WORKERS = ["worker-a", "worker-b"]
 
