@@ -58,8 +58,7 @@ class HeldPolicy:
             if version in self.engines:
                 return
         model = load_hf_policy(directory, dtype=self.dtype)
-        tokenizer_config = json.loads((directory / "config.json").read_text())
-        engine = HFEngine(model, pad_id=int(tokenizer_config.get("pad_token_id") or 0),
+        engine = HFEngine(model, pad_id=int(model.config.pad_token_id or 0),
                           proof=ToplocThresholds.load(directory).proof)
         with self.lock:
             self.engines[version] = engine

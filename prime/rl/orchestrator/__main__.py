@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     env = build_environment(config.env, config.reward_terms)
     orchestrator = Orchestrator(config, env, versions, record)
     evaluations = Evaluations(orchestrator, versions, env, record)
-    versions.on_new = lambda v: (orchestrator._on_new_version(v),
-                                 evaluations.todo.put(v) if v % config.eval_every == 0 else None)
+    wake = versions.on_new  # the orchestrator's own hook: wakes leases and batches waiting for a version
+    versions.on_new = lambda v: (wake(v), evaluations.todo.put(v) if v % config.eval_every == 0 else None)
     check = TokenCheck(facts.coordinator, facts.run_id)
 
     def trusted(token: JoinToken) -> None:
