@@ -197,12 +197,13 @@ class ElasticDeviceMesh:
     def name(self) -> str:
         return self.joined["name"]
 
-    def lease(self, kind: str, worker: int, held: list[int]) -> dict | None:
+    def lease(self, kind: str, worker: int, held: list[int], spare: bool = False) -> dict | None:
         """A work item of `kind` for one worker (called by that local rank itself, mid-round, without the
-        others); `held`: the items it holds already. None when the coordinator has dropped this node: the
-        round will be discarded anyway."""
+        others); `held`: the items it holds already; `spare`: one more to consume beside those, which the
+        coordinator grants up to a fair share (else the answer's item is None). None when the coordinator
+        has dropped this node: the round will be discarded anyway."""
         try:
-            return self.client.post("/v1/lease", {"kind": kind, "worker": worker, "held": held})
+            return self.client.post("/v1/lease", {"kind": kind, "worker": worker, "held": held, "spare": bool(spare)})
         except CoordinatorError as e:
             if e.status in (401, 410):
                 return None

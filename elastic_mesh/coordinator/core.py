@@ -121,11 +121,16 @@ class Coordinator:
             if kind not in self.work.kinds():
                 raise Refused(409, f"this run hands out no {kind!r} work: its nodes joined without it "
                                    f"(kinds: {self.work.kinds()})")
+            ledger = self.work[kind]
+            # A spare item (the worker consumes several at once) only up to a fair share: the items over
+            # every live worker plus one more node's, so a node that joins still finds some free.
+            share = ledger.items // ((len(self.members.live()) + 1) * procs) if body.get("spare") else None
             try:
-                lease = self.work[kind].lease(node.node_id, worker, held, f"{node.name}/{worker}")
+                lease = ledger.lease(node.node_id, worker, held, f"{node.name}/{worker}", share)
             except LedgerError as e:
                 raise Refused(409, str(e)) from None
-        log.debug("%s worker %d leased %s item %d (pass %d)", node.name, worker, kind, lease["item"], lease["pass"])
+        if lease["item"] is not None:
+            log.debug("%s worker %d leased %s item %d (pass %d)", node.name, worker, kind, lease["item"], lease["pass"])
         return lease
 
     # ---- status ------------------------------------------------------------------------------------

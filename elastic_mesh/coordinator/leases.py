@@ -81,20 +81,35 @@ class WorkLedger:
             self.db.executemany("INSERT INTO work_items VALUES (?, ?, 0, '[]', NULL, NULL, NULL)",
                                 [(self.kind, i) for i in range(items)])
 
-    def lease(self, node_id: str, worker: int, held: list[int], sticky: str = "") -> dict:
-        """A free item for one worker: the one this worker (`sticky`: node name / local rank) took last,
-        if free (a resumed or restarted node goes on where it left off, and a resumed run repeats itself
-        exactly), else the one with the fewest passes, lowest index first. `held` lists the items the
-        worker knows it holds: one leased to it that it does not list is an answer that got lost on the
-        way (a retried request), and is answered again instead of leasing another."""
+    def lease(self, node_id: str, worker: int, held: list[int], sticky: str = "", share: int | None = None) -> dict:
+        """A free item for one worker: one this worker (`sticky`: node name / local rank) took before, if
+        free (a resumed or restarted node goes on where it left off, and a resumed run repeats itself
+        exactly), else a begun one, else the one with the fewest passes, lowest index first. `held` lists
+        the items the worker knows it holds: one leased to it that it does not list is an answer that got
+        lost on the way (a retried request), and is answered again instead of leasing another.
+
+        `share`: a spare item (the worker consumes several at once and holds one already), granted only
+        while the worker holds fewer than `share` items (or if it is one the worker had begun); otherwise,
+        or when none is free, the answer's item is None."""
         lost = self.db.execute("SELECT item, pass, cursor FROM work_items WHERE kind = ? AND holder = ? AND worker = ? "
                                "ORDER BY item", (self.kind, node_id, worker)).fetchall()
         for row in lost:
             if row[0] not in held:
                 return {"kind": self.kind, "item": row[0], "pass": row[1], "cursor": json.loads(row[2])}
+        # A worker that consumes several items at once gets back, after a restart, the ones it had begun
+        # (its own with a cursor past the top), whatever its share: a resumed run repeats itself.
         row = self.db.execute("SELECT item, pass, cursor FROM work_items WHERE kind = ? AND holder IS NULL "
-                              "ORDER BY CASE WHEN sticky = ? THEN 0 ELSE 1 END, pass, item LIMIT 1",
-                              (self.kind, sticky)).fetchone()
+                              "AND sticky = ? AND cursor != '[]' ORDER BY pass, item LIMIT 1",
+                              (self.kind, sticky)).fetchone() if sticky else None
+        if row is None and share is not None and len(lost) >= share:
+            return {"kind": self.kind, "item": None}
+        # Otherwise begun items first (e.g. released by a node that died), then the fewest passes.
+        row = row or self.db.execute(
+            "SELECT item, pass, cursor FROM work_items WHERE kind = ? AND holder IS NULL ORDER BY CASE WHEN sticky = ? "
+            "THEN 0 ELSE 1 END, CASE WHEN cursor != '[]' THEN 0 ELSE 1 END, pass, item LIMIT 1",
+            (self.kind, sticky)).fetchone()
+        if row is None and share is not None:
+            return {"kind": self.kind, "item": None}
         if row is None:
             raise LedgerError(f"all {self.items} {self.kind} items are leased to other workers; cut the work into "
                               "more items than the run has local ranks in all nodes together")

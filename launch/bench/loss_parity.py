@@ -1,19 +1,30 @@
-"""Benchmark: final eval loss of DiLoCo (N nodes, int8) against data-parallel training at equal tokens.
+"""Benchmark: final eval loss of DiLoCo (M nodes, int8) against data-parallel and one node, at equal steps.
 
-DiLoCo: N nodes of one rank each (a local cluster), node i reading data slot i of N. Data-parallel:
-one node of N ranks (FSDP2) with N× the batch, so both see the same sequences per step and the same
-tokens in all. Both final checkpoints are then evaluated by this script on the same held-out
-sequences. Targets: ratio ≤ 1.01 with 2 nodes, ≤ 1.02 with 4.
+DiLoCo: M nodes of one rank each (a local cluster), reading shards leased from the coordinator.
+Data-parallel: one node of M ranks (FSDP2) with M× the batch, so both see as many sequences per step
+and tokens in all. One node: one rank with the per-replica batch, as many steps (what a single
+DiLoCo replica sees). Every final checkpoint is evaluated by this script on the same held-out
+sequences. Targets: ratio to data-parallel ≤ 1.01 with 2 nodes, ≤ 1.02 with 4.
+
+Every DiLoCo option takes a comma-separated list: the run is the product of them over the seeds, each
+baseline run once per seed and batch; results are appended to --results as they finish (a rerun with
+the same file skips what it holds), then one table (mean ± spread over seeds) and, with --plot, a PNG.
 
     python launch/bench/loss_parity.py [--nodes 2] [--steps 150] [--inner-steps 50]
+    python launch/bench/loss_parity.py --nodes 2 --inner-steps 10,25,50 --outer-lr 0.4,0.7,1.0 \\
+        --seeds 0,1,2 --results runs/sweep.jsonl --plot docs/img/sweep.png
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +46,17 @@ from prime.data.loader import (
 )
 from prime.data.tokenizer import ByteTokenizer
 
+# The DiLoCo options a sweep varies: flag -> (config key, type).
+SWEPT = {
+    "inner_steps": ("diloco.inner_steps", int),
+    "outer_lr": ("diloco.outer_lr", float),
+    "outer_momentum": ("diloco.outer_momentum", float),
+    "mode": ("diloco.mode", str),
+    "eager": ("diloco.eager", str),
+    "warmup": ("optim.warmup_steps", int),
+    "batch_mult": (None, int),  # the per-replica batch, in multiples of the config's (baselines follow it)
+}
+
 
 @torch.no_grad()
 def eval_loss(config, checkpoint: Path, corpus: Path, batches: int = 16) -> float:
@@ -50,45 +72,164 @@ def eval_loss(config, checkpoint: Path, corpus: Path, batches: int = 16) -> floa
     return total / batches
 
 
+def _list(kind):
+    return lambda text: [kind(v) for v in text.split(",")]
+
+
+def arm_key(arm: dict) -> str:
+    return json.dumps(arm, sort_keys=True)
+
+
+def run_arm(arm: dict, args, config, corpus: Path, tmp: Path) -> float:
+    """Trains one arm in `tmp` and returns its final eval loss."""
+    batch = config.train.batch_size * arm["batch_mult"]
+    common = ["--data.path", str(corpus), "--train.max_steps", str(args.steps), "--train.eval_every", "0",
+              "--checkpoint.every", "0", "--quiet", "--train.seed", str(arm["seed"]), "--data.seed", str(arm["seed"]),
+              "--optim.warmup_steps", str(arm.get("warmup", config.optim.warmup_steps))]
+    final = f"step_{args.steps:08d}"
+    if arm["kind"] == "diloco":
+        flags = list(common) + ["--train.batch_size", str(batch)]
+        for name, (key, _) in SWEPT.items():
+            if key and key.startswith("diloco.") and name in arm:
+                flags += [f"--{key}", str(arm[name])]
+        with LocalCluster(tmp / "diloco", args.config, flags, coordinator_args=["--min-wait-s", "60"]) as c:
+            c.run_nodes([f"node{i}" for i in range(arm["nodes"])], 7200)
+        return eval_loss(config, tmp / "diloco" / "node0" / "checkpoints" / final, corpus)
+    ranks = arm["nodes"] if arm["kind"] == "data-parallel" else 1
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "prime.train", "--config", args.config, "--run-dir", str(tmp / "run"),
+           "--train.batch_size", str(batch * ranks), *common]
+    subprocess.run(cmd, cwd=REPO, env=child_env(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return eval_loss(config, tmp / "run" / "checkpoints" / final, corpus)
+
+
+def plan(args, config) -> list[dict]:
+    """Every arm to run: the DiLoCo product, then the baselines it compares with."""
+    values = {name: getattr(args, name) for name in SWEPT if getattr(args, name) is not None}
+    values.setdefault("batch_mult", [1])
+    values.setdefault("warmup", [config.optim.warmup_steps])
+    names = sorted(values)
+    arms = []
+    for seed in args.seeds:
+        for combo in itertools.product(*(values[n] for n in names)):
+            arms.append({"kind": "diloco", "nodes": args.nodes, "seed": seed, **dict(zip(names, combo))})
+        for mult in values["batch_mult"]:
+            for warmup in values["warmup"]:
+                for kind in ("data-parallel", "one node") if args.baselines else ():
+                    arms.append({"kind": kind, "nodes": args.nodes if kind == "data-parallel" else 1, "seed": seed,
+                                 "batch_mult": mult, "warmup": warmup})
+    return arms
+
+
+def summarise(results: dict[str, float], arms: list[dict]) -> list[dict]:
+    """One row per arm without its seed: mean and spread over seeds, ratios to the baselines' means."""
+    groups: dict[str, list[float]] = {}
+    shapes: dict[str, dict] = {}
+    for arm in arms:
+        if arm_key(arm) in results:
+            shape = {k: v for k, v in arm.items() if k != "seed"}
+            groups.setdefault(arm_key(shape), []).append(results[arm_key(arm)])
+            shapes[arm_key(shape)] = shape
+    rows = []
+    for key, losses in groups.items():
+        shape = shapes[key]
+        base = {"nodes": shape["nodes"], "batch_mult": shape["batch_mult"], "warmup": shape.get("warmup")}
+        row = {**shape, "seeds": len(losses), "mean": statistics.fmean(losses),
+               "spread": (max(losses) - min(losses)) / 2 if len(losses) > 1 else 0.0}
+        for kind in ("data-parallel", "one node"):
+            ref = groups.get(arm_key({"kind": kind, **base, "nodes": base["nodes"] if kind == "data-parallel" else 1}))
+            row[kind] = statistics.fmean(ref) if ref else None
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], args) -> str:
+    swept = [n for n in SWEPT if any(n in r for r in rows if r["kind"] == "diloco")]
+    head = ["arm", *swept, "seeds", "eval loss (mean ± half-range)", "/ data-parallel", "/ one node"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"])):
+        ratio = [f"{r['mean'] / r[k]:.4f}" if r.get(k) and r["kind"] != k else "" for k in ("data-parallel", "one node")]
+        cells = [r["kind"] if r["kind"] != "diloco" else f"DiLoCo M={r['nodes']}",
+                 *[str(r.get(n, "")) if r["kind"] == "diloco" or n in ("batch_mult", "warmup") else "" for n in swept],
+                 str(r["seeds"]), f"{r['mean']:.4f} ± {r['spread']:.4f}", *ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"]))
+    labels = [r["kind"] if r["kind"] != "diloco" else
+              " ".join(f"{k}={r[k]}" for k in SWEPT if k in r and k != "batch_mult" or k == "batch_mult" and r[k] != 1)
+              for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    colors = ["tab:blue" if r["kind"] == "diloco" else "tab:gray" for r in rows]
+    ax.barh(range(len(rows)), [r["mean"] for r in rows], xerr=[r["spread"] for r in rows], color=colors)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    low = min(r["mean"] - r["spread"] for r in rows)
+    ax.set_xlim(low - 0.05, max(r["mean"] + r["spread"] for r in rows) + 0.02)
+    ax.set_xlabel("final eval loss (bars: mean over seeds; whiskers: half the range)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="example: python launch/bench/loss_parity.py --nodes 2 --steps 150")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--config", default="configs/cpu-demo.toml")
-    parser.add_argument("--outer-lr", type=float, default=None, help="diloco.outer_lr (default: the config's)")
-    parser.add_argument("--outer-momentum", type=float, default=None,
-                        help="diloco.outer_momentum (default: the config's)")
-    parser.add_argument("--mode", default="blocking", help="diloco.mode of the DiLoCo run")
+    parser.add_argument("--seeds", type=_list(int), default=[0], help="train.seed and data.seed of each run")
+    for name, (key, kind) in SWEPT.items():
+        flag = name.replace("_", "-")
+        parser.add_argument(f"--{flag}", type=_list(kind), default=None,
+                            help=f"{key or 'per-replica batch multiple'} (list; default: the config's)")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false",
+                        help="run DiLoCo arms only (the table then has no ratios unless --results holds them)")
+    parser.add_argument("--results", type=Path, default=None, help="JSONL of finished arms, appended and reused")
+    parser.add_argument("--plot", type=Path, default=None, help="write the table as a bar chart (PNG)")
     args = parser.parse_args()
     corpus = prepare()
     config = load_config(REPO / args.config)
-    common = ["--data.path", str(corpus), "--train.max_steps", str(args.steps), "--train.eval_every", "0",
-              "--checkpoint.every", "0", "--quiet"]
-    final = f"step_{args.steps:08d}"
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        diloco = common + ["--diloco.inner_steps", str(args.inner_steps), "--diloco.mode", args.mode]
-        for key, value in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)):
-            if value is not None:
-                diloco += [f"--diloco.{key}", str(value)]
-        with LocalCluster(tmp / "diloco", args.config, diloco, coordinator_args=["--min-wait-s", "60"]) as c:
-            c.run_nodes([f"node{i}" for i in range(args.nodes)], 7200)
-        batch = config.train.batch_size * args.nodes
-        dp = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={args.nodes}",
-              "-m", "prime.train", "--config", args.config, "--run-dir", str(tmp / "dp"),
-              "--train.batch_size", str(batch), *common]
-        subprocess.run(dp, cwd=REPO, env=child_env(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        diloco_loss = eval_loss(config, tmp / "diloco" / "node0" / "checkpoints" / final, corpus)
-        dp_loss = eval_loss(config, tmp / "dp" / "checkpoints" / final, corpus)
+    arms = plan(args, config)
+    results: dict[str, float] = {}
+    if args.results and args.results.exists():
+        for line in args.results.read_text().splitlines():
+            entry = json.loads(line)
+            results[arm_key(entry["arm"])] = entry["eval_loss"]
+    todo = [a for a in arms if arm_key(a) not in results]
+    print(f"{args.config}, {args.nodes} nodes, {args.steps} steps: {len(arms)} runs, {len(todo)} to do", flush=True)
+    for number, arm in enumerate(todo, 1):
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            loss = run_arm(arm, args, config, corpus, Path(tmp))
+        results[arm_key(arm)] = loss
+        if args.results:
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            with args.results.open("a") as f:
+                f.write(json.dumps({"arm": arm, "eval_loss": loss, "s": round(time.monotonic() - started)}) + "\n")
+        print(f"[{number}/{len(todo)}] {arm_key(arm)}: eval loss {loss:.4f} ({time.monotonic() - started:.0f} s)",
+              flush=True)
+    rows = summarise(results, arms)
     tokens = args.steps * config.train.batch_size * config.train.seq_len * args.nodes
-    outer = config.diloco
-    lr = args.outer_lr if args.outer_lr is not None else outer.outer_lr
-    momentum = args.outer_momentum if args.outer_momentum is not None else outer.outer_momentum
-    print(f"{args.config}, {args.nodes} nodes, H={args.inner_steps}, {args.steps} steps, {tokens / 1e6:.2f}M tokens "
-          f"each way; DiLoCo {args.mode}, outer lr {lr:g}, momentum {momentum:g}")
-    print(f"eval loss: DiLoCo (int8) {diloco_loss:.4f}, data-parallel {dp_loss:.4f}, ratio {diloco_loss / dp_loss:.4f}")
+    print(f"\n{args.config}, {args.nodes} nodes, {args.steps} steps, {tokens / 1e6:.2f}M tokens per DiLoCo or "
+          f"data-parallel run (×batch_mult), seeds {args.seeds}")
+    print(table(rows, args))
+    if len(arms) == (3 if args.baselines else 1) * len(args.seeds) and len(args.seeds) == 1:
+        diloco = next(r for r in rows if r["kind"] == "diloco")
+        if diloco.get("data-parallel"):
+            print(f"eval loss: DiLoCo (int8) {diloco['mean']:.4f}, data-parallel {diloco['data-parallel']:.4f}, "
+                  f"ratio {diloco['mean'] / diloco['data-parallel']:.4f}")
+    if args.plot:
+        plot(rows, args.plot, f"{args.config}, {args.nodes} nodes, {args.steps} steps, seeds {args.seeds}")
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """A worker's token stream in a multi-node run: shards leased from the coordinator, read exactly once.
 
-The worker reads one leased shard from its committed cursor (document, token offset); when the shard
-runs out it leases another. What it read since the last outer step is reported with its vote; the
+The worker reads `data.interleave` leased shards at once, each from its committed cursor (document,
+token offset), drawing every window from one of them in a seeded order (prime/data/interleave.py);
+when a shard runs out it leases another. What it read since the last outer step is reported with its vote; the
 coordinator moves the cursors only if the step averaged this worker's pseudo-gradient. If it did not
 (the node was refused, missed the step, or was dropped), the worker rewinds to the committed cursors
 and reads the same tokens again, so nothing is lost and nothing is counted twice.
@@ -16,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from prime.data.interleave import ReadHeads
 from prime.data.loader import pack_shard
 from prime.data.shards import Shard
 from prime.data.tokenizer import Tokenizer
@@ -50,40 +52,76 @@ def cursor_position(cursor: list[int]) -> tuple[int, int]:
 
 
 class LeasedSequenceStream:
-    """Yields windows of seq_len + 1 tokens from leased shards; `lease()` asks the coordinator for one
-    ({"item", "pass", "cursor"}: a data shard, or None when the coordinator dropped this node) given the shards the
-    worker holds already."""
+    """Yields windows of seq_len + 1 tokens from leased shards, `interleave` of them read at once
+    (prime/data/interleave.py). `lease(held, spare)` asks the coordinator for a shard given the shards
+    the worker holds already: {"item", "pass", "cursor"}; {"item": None} when `spare` (the worker still
+    reads another shard) and the coordinator keeps the free ones for other workers; None when the
+    coordinator dropped this node."""
 
     def __init__(self, shards: list[Shard], tokenizer: Tokenizer, seq_len: int, text_field: str,
-                 lease: Callable[[list[int]], dict | None], worker: int) -> None:
+                 lease: Callable[[list[int], bool], dict | None], worker: int, interleave: int = 1,
+                 seed: int = 0) -> None:
         self.shards, self.tokenizer, self.seq_len, self.text_field = shards, tokenizer, seq_len, text_field
-        self.lease, self.worker = lease, worker
-        self.held: list[HeldShard] = []  # in reading order; all but the last are finished
+        self.lease, self.worker, self.interleave, self.seed = lease, worker, interleave, seed
+        self.held: list[HeldShard] = []  # in leasing order; the unfinished ones are being read
         # Rounds marked and not yet settled, oldest first (overlapped modes: several outer steps may be in
         # flight): held shard -> (end, finished) when the round was marked.
         self._marks: deque[dict[HeldShard, tuple[tuple[int, int], bool]]] = deque()
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        while True:
-            current = next((h for h in self.held if not h.finished), None)
-            if current is None:
-                current = self._new_lease()
-                self.held.append(current)
-            for sample, position in pack_shard(self.shards[current.shard], self.tokenizer, self.seq_len,
-                                               self.text_field, *current.end):
-                current.end = position
-                yield sample
-            current.finished = True
+    def _windows(self, held: HeldShard):
+        return pack_shard(self.shards[held.shard], self.tokenizer, self.seq_len, self.text_field, *held.end)
 
-    def _new_lease(self) -> HeldShard:
-        answer = self.lease([h.shard for h in self.held if h.pass_ >= 0])
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        heads: ReadHeads[HeldShard] = ReadHeads(self.seed, lambda h: (h.shard, h.pass_, *h.end))
+        live: list[HeldShard] = []
+        for held in self.held:
+            if not held.finished:
+                if heads.add(held, self._windows(held)):
+                    live.append(held)
+                else:
+                    held.finished = True
+        self._top_up(heads, live)
+        while heads:
+            held, sample, position, windows = heads.take()
+            held.end = position
+            # The read-ahead tells at once whether this was the shard's last window: it is reported
+            # finished with the round that consumed that window, and a new shard takes its place.
+            if not heads.add(held, windows):
+                held.finished = True
+                live.remove(held)
+                self._top_up(heads, live)
+            yield sample
+
+    def _top_up(self, heads: ReadHeads[HeldShard], live: list[HeldShard]) -> None:
+        """Leases shards until `interleave` are being read; beyond the first only spare ones, which the
+        coordinator grants while it keeps enough free for the other workers."""
+        while len(live) < self.interleave:
+            held = self._new_lease(spare=bool(live))
+            if held is None:
+                if not live:
+                    raise RuntimeError("the coordinator leased no data shard to a worker that reads none")
+                return
+            self.held.append(held)
+            if heads.add(held, self._windows(held)):
+                live.append(held)
+            else:  # too short for one window: finished as soon as leased (its tokens are the dropped tail)
+                held.finished = True
+
+    def _new_lease(self, spare: bool) -> HeldShard | None:
+        answer = self.lease([h.shard for h in self.held if h.pass_ >= 0], spare)
         if answer is None:
+            if spare:
+                return None  # dropped: the filler shard being read is enough
             # The coordinator dropped this node (e.g. after a partition): whatever it reads until the
             # round ends is thrown away when it rejoins. Re-read a shard it knows, never reported.
             log.warning("worker %d got no data lease (this node was dropped); this round's work will be discarded",
                         self.worker)
             known = self.held[-1].shard if self.held else 0
             return HeldShard(known, -1, (0, 0), (0, 0))
+        if answer.get("item") is None:
+            if not spare:
+                raise RuntimeError(f"the coordinator answered a data lease without a shard: {answer}")
+            return None
         shard = int(answer["item"])
         if not 0 <= shard < len(self.shards):
             raise ValueError(f"the coordinator leased data shard {shard} but this node has {len(self.shards)}; "

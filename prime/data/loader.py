@@ -1,21 +1,25 @@
 """Streams token sequences for one data-parallel worker: tokenize on the fly, pack with EOS, resume exactly.
 
-Each worker owns a disjoint list of shards and walks them in order, epoch after epoch. Documents are
-tokenized, joined with EOS and cut into windows of seq_len + 1 tokens (inputs and shifted labels);
-windows overlap by one token so no token is lost as a label. Tokens left over at the end of a shard
-are dropped, so a position is fully described by (epoch, shard, document, token offset) and a resumed
-worker yields exactly the batches an uninterrupted one would have.
+Each worker owns a disjoint list of shards and walks them epoch after epoch. Documents are tokenized,
+joined with EOS and cut into windows of seq_len + 1 tokens (inputs and shifted labels); windows overlap
+by one token so no token is lost as a label. Tokens left over at the end of a shard are dropped.
+
+A worker reads `data.interleave` shards at once and draws each window from one of them in a seeded
+random order (prime/data/interleave.py), so a batch mixes several documents. Its position is where
+each open shard is (shard, document, token offset) and which shard opens next, so a resumed worker
+yields exactly the batches an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from prime.data.interleave import ReadHeads
 from prime.data.shards import Shard, iter_documents, make_shards, resolve_files
 from prime.data.tokenizer import Tokenizer
 
@@ -36,58 +40,93 @@ class DataConfig(BaseModel):
     text_field: str = Field("text", description="Field of each record that holds the document text.")
     tokenizer: str = Field("byte", description="'byte' (built-in, vocab 259) or a local tokenizer.json / directory.")
     parts_per_file: int = Field(1, ge=1, description="Shards cut from each file (document i goes to part i % n).")
+    interleave: int = Field(8, ge=1, le=256, description="Shards each worker reads at once; every sequence of a "
+                            "batch is drawn from one of them in a seeded random order. 1: one shard front to back.")
+    seed: int = Field(0, ge=0, description="Seed of the order sequences are drawn in (the same shards in another order).")
 
 
 @dataclass
 class DataPosition:
-    """Where a worker is: everything needed to continue exactly."""
+    """Where a worker is: everything needed to continue exactly. A shard is opened by a ticket: ticket t
+    reads the worker's shard t % n in epoch t // n."""
 
-    epoch: int = 0
-    shard: int = 0  # index into the worker's own shard list
-    document: int = 0  # first document of the shard not yet fully consumed
-    offset: int = 0  # tokens of that document (EOS included) already consumed
+    heads: list[list[int]] = field(default_factory=list)  # [ticket, document, token offset] of each open shard
+    next_ticket: int = 0
+
+    def epoch(self, shards: int) -> int:
+        """The oldest epoch still being read by a worker of `shards` shards."""
+        return min((h[0] for h in self.heads), default=self.next_ticket) // shards
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"heads": [list(h) for h in self.heads], "next_ticket": self.next_ticket}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DataPosition":
-        return cls(**{k: int(data[k]) for k in ("epoch", "shard", "document", "offset")})
+    def from_dict(cls, data: dict, shards: int | None = None) -> "DataPosition":
+        if "heads" in data:
+            heads = [[int(v) for v in h] for h in data["heads"]]
+            if any(len(h) != 3 for h in heads):
+                raise ValueError(f"a data position's heads are [ticket, document, offset], got {data['heads']}")
+            return cls(heads, int(data["next_ticket"]))
+        # Written before interleaving (one shard at a time): the same place, read with data.interleave = 1.
+        if shards is None:
+            raise ValueError("a data position of the old form needs the worker's shard count")
+        ticket = int(data["epoch"]) * shards + int(data["shard"])
+        return cls([[ticket, int(data["document"]), int(data["offset"])]], ticket + 1)
 
 
 class PackedSequenceStream:
     """Yields tensors of seq_len + 1 token ids for one worker, and can say where it is."""
 
     def __init__(self, shards: list[Shard], tokenizer: Tokenizer, seq_len: int, text_field: str = "text",
-                 position: DataPosition | None = None, loop: bool = True) -> None:
+                 position: DataPosition | None = None, loop: bool = True, interleave: int = 1,
+                 seed: int = 0) -> None:
         if not shards:
             raise ValueError("a data stream needs at least one shard")
         self.shards, self.tokenizer, self.seq_len = shards, tokenizer, seq_len
         self.text_field, self.loop = text_field, loop
+        self.interleave, self.seed = min(interleave, len(shards)), seed
         self.position = position or DataPosition()
 
+    def _windows(self, head: list[int]):
+        return pack_shard(self.shards[head[0] % len(self.shards)], self.tokenizer, self.seq_len, self.text_field,
+                          head[1], head[2])
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        empty_shards = 0
-        while True:
-            pos = self.position
-            produced = False
-            for sample, (document, offset) in pack_shard(self.shards[pos.shard], self.tokenizer, self.seq_len,
-                                                         self.text_field, pos.document, pos.offset):
-                self.position = DataPosition(pos.epoch, pos.shard, document, offset)
-                produced = True
-                yield sample
-            empty_shards = 0 if produced else empty_shards + 1
-            if empty_shards >= len(self.shards):
-                raise ValueError(
-                    f"no shard of this worker ({', '.join(s.name for s in self.shards[:4])}...) holds "
-                    f"{self.seq_len + 1} tokens; give more text or a smaller train.seq_len"
-                )
-            shard, epoch = pos.shard + 1, pos.epoch
-            if shard == len(self.shards):
-                if not self.loop:
-                    return
-                shard, epoch = 0, epoch + 1
-            self.position = DataPosition(epoch, shard, 0, 0)
+        n = len(self.shards)
+        heads: ReadHeads[list[int]] = ReadHeads(self.seed, tuple)
+        ticket = self.position.next_ticket
+        live: list[list[int]] = []
+        for head in self.position.heads:
+            head = list(head)
+            if heads.add(head, self._windows(head)):
+                live.append(head)
+        empty = 0
+
+        def top_up() -> None:
+            nonlocal ticket, empty
+            while len(live) < self.interleave and (self.loop or ticket < n):
+                head, ticket = [ticket, 0, 0], ticket + 1
+                if heads.add(head, self._windows(head)):
+                    live.append(head)
+                    empty = 0
+                    continue
+                empty += 1
+                if empty >= n:
+                    raise ValueError(
+                        f"no shard of this worker ({', '.join(s.name for s in self.shards[:4])}...) holds "
+                        f"{self.seq_len + 1} tokens; give more text or a smaller train.seq_len"
+                    )
+
+        top_up()
+        while heads:
+            head, sample, (document, offset), windows = heads.take()
+            head[1], head[2] = document, offset
+            if not heads.add(head, windows):
+                live.remove(head)
+                top_up()
+            # Recorded after the read-ahead: a stream resumed here re-reads the same windows ahead.
+            self.position = DataPosition([list(h) for h in live], ticket)
+            yield sample
 
 
 def pack_shard(shard: Shard, tokenizer: Tokenizer, seq_len: int, text_field: str, document: int = 0,

@@ -83,7 +83,7 @@ def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | N
     trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     worker = dist.get_rank()
-    trainer.lease_data(lambda held: mesh.lease("data", worker, held), worker)
+    trainer.lease_data(lambda held, spare: mesh.lease("data", worker, held, spare), worker)
     trainer.prefix = f"[{mesh.name}]"
     trainer.progress.prefix = trainer.prefix
     trainer.progress.sync_every = config.diloco.sync_period

@@ -73,7 +73,7 @@ class Trainer:
         self.checkpoints = CheckpointStore(Path(config.checkpoint.dir or self.run_dir / "checkpoints"),
                                            config.checkpoint.keep, group.rank, group.world_size,
                                            config.checkpoint.background, config.checkpoint.remote)
-        self.step, self.tokens_seen, self._position = 0, 0, DataPosition()
+        self.step, self.tokens_seen, self._position = 0, 0, {}  # a DataPosition's dict
         self.restored: Path | None = None  # the checkpoint this run resumed from
         # Hooks add state of their own to every checkpoint (name -> tensor), e.g. DiLoCo's outer optimizer.
         self.checkpoint_tensors: list = []
@@ -99,12 +99,14 @@ class Trainer:
 
     def lease_data(self, lease, worker: int) -> LeasedSequenceStream:
         """Reads shards leased from the coordinator instead of a fixed slice (a multi-node run): see
-        prime/data/leased.py. `lease()` returns {"shard", "pass", "cursor"} or None."""
+        prime/data/leased.py. `lease(held, spare)` returns {"item", "pass", "cursor"}, {"item": None} (no
+        spare shard free) or None (this node was dropped)."""
         if self._batches is not None:
             raise RuntimeError("data leases must be set up before training starts")
-        self.leased = LeasedSequenceStream(make_shards(self.train_files, self.config.data.parts_per_file),
-                                           self.tokenizer, self.config.train.seq_len, self.config.data.text_field,
-                                           lease, worker)
+        data = self.config.data
+        self.leased = LeasedSequenceStream(make_shards(self.train_files, data.parts_per_file), self.tokenizer,
+                                           self.config.train.seq_len, data.text_field, lease, worker,
+                                           interleave=data.interleave, seed=data.seed)
         return self.leased
 
     def restart_data(self) -> None:
@@ -117,8 +119,10 @@ class Trainer:
             stream = self.leased
             if stream is None:
                 shards = worker_shards(self.config.data, self.train_files, self.group.rank, self.group.world_size)
-                stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len,
-                                              self.config.data.text_field, self._position)
+                data = self.config.data
+                position = DataPosition.from_dict(self._position, len(shards)) if self._position else None
+                stream = PackedSequenceStream(shards, self.tokenizer, self.config.train.seq_len, data.text_field,
+                                              position, interleave=data.interleave, seed=data.seed)
             self._batches = BatchIterator(stream, self.config.train.micro_batch_size)
         return self._batches
 
@@ -130,17 +134,17 @@ class Trainer:
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
 
-    def _restore(self) -> DataPosition:
+    def _restore(self) -> dict:
         latest = self.checkpoints.latest()
         if latest is None:
             log.info("%s --resume: no checkpoint in %s yet, starting from step 0", self.prefix, self.checkpoints.root)
-            return DataPosition()
+            return {}
         trainer_state, rank_state = self.checkpoints.load(latest, self.model, self.optimizer)
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
         self.restored = latest
         log.info("%s resumed from %s at step %d", self.prefix, latest, self.step)
-        return DataPosition.from_dict(rank_state["data"]) if rank_state.get("data") else DataPosition()
+        return rank_state.get("data") or {}
 
     def save_checkpoint(self) -> Path:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,

@@ -38,6 +38,7 @@ def test_overrides_are_typed():
     ({"diloco.mode": "delayed", "diloco.overlap_steps": "6"}, "diloco.overlap_steps 6 is over diloco.inner_steps 5"),
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
     ({"diloco.pace": "1.5"}, "diloco.pace"),
+    ({"data.interleave": "0"}, "data.interleave"),
 ])
 def test_bad_values_are_named(overrides, expected):
     with pytest.raises(ConfigError) as err:

@@ -1,5 +1,6 @@
 """Data: real files through `datasets`, packing with EOS, disjoint ranks, exact resume."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from prime.data.loader import (
     DataPosition,
     PackedSequenceStream,
     eval_shards,
+    pack_shard,
     train_and_eval_files,
     worker_shards,
 )
@@ -66,22 +68,57 @@ def test_too_few_shards_for_workers_is_explained(corpus):
         worker_shards(DataConfig(), train, 0, 16)
 
 
-def test_resume_sees_exactly_the_same_batches(corpus):
+@pytest.mark.parametrize("interleave", [1, 4])
+def test_resume_sees_exactly_the_same_batches(corpus, interleave):
     train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
     shards = worker_shards(DataConfig(), train, 1, 2)
     tok = ByteTokenizer()
-    straight = BatchIterator(PackedSequenceStream(shards, tok, seq_len=128), micro_batch_size=4)
+    straight = BatchIterator(PackedSequenceStream(shards, tok, seq_len=128, interleave=interleave, seed=3),
+                             micro_batch_size=4)
     expected, positions = [], []
     for _ in range(60):
         expected.append(next(straight)[0])
         positions.append(straight.position.to_dict())
     # Positions cross document and shard boundaries within these 60 batches.
-    assert len({p["document"] for p in positions}) > 1
+    assert len({h[1] for p in positions for h in p["heads"]}) > 1
+    assert {len(p["heads"]) for p in positions} == {interleave}
     for cut in (7, 31):
         resumed = BatchIterator(PackedSequenceStream(shards, tok, 128, position=DataPosition.from_dict(
-            json.loads(json.dumps(positions[cut])))), micro_batch_size=4)
+            json.loads(json.dumps(positions[cut]))), interleave=interleave, seed=3), micro_batch_size=4)
         for i in range(cut + 1, 60):
             assert torch.equal(next(resumed)[0], expected[i]), f"batch {i} differs after resuming at {cut}"
+
+
+def test_interleaving_mixes_shards_in_each_batch_and_reads_each_one_in_order(corpus):
+    """A batch draws from several shards in a seeded order; every shard is still read front to back, each
+    window exactly once, so the windows are those of sequential reading, only reordered."""
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    shards = worker_shards(DataConfig(), train, 0, 2)  # 4 shards
+    tok = ByteTokenizer()
+    per_shard = [[w.tolist() for w, _ in itertools.islice(pack_shard(s, tok, 64, "text"), 400)] for s in shards]
+    owner = {tuple(w): (k, i) for k, windows in enumerate(per_shard) for i, w in enumerate(windows)}
+    stream = iter(PackedSequenceStream(shards, tok, 64, interleave=4, seed=11))
+    drawn = [owner[tuple(next(stream).tolist())] for _ in range(400)]
+    for k in range(4):  # each shard's windows come in its own order, none skipped or repeated
+        mine = [i for shard, i in drawn if shard == k]
+        assert mine == list(range(len(mine))) and len(mine) > 40, (k, len(mine))
+    batches = [{shard for shard, _ in drawn[b:b + 8]} for b in range(0, 400, 8)]
+    assert sum(len(b) for b in batches) / len(batches) > 2.5  # 8 windows from ~3.3 shards on average
+    other = iter(PackedSequenceStream(shards, tok, 64, interleave=4, seed=12))
+    assert [owner[tuple(next(other).tolist())] for _ in range(400)] != drawn  # the seed changes the order
+
+
+def test_a_position_written_before_interleaving_resumes_where_it_was(corpus):
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    shards = worker_shards(DataConfig(), train, 0, 2)
+    tok = ByteTokenizer()
+    old = {"epoch": 0, "shard": 1, "document": 0, "offset": 0}
+    position = DataPosition.from_dict(old, len(shards))
+    assert position.heads == [[1, 0, 0]] and position.next_ticket == 2
+    resumed = iter(PackedSequenceStream(shards, tok, 64, position=position))
+    assert torch.equal(next(resumed), next(pack_shard(shards[1], tok, 64, "text"))[0])
+    with pytest.raises(ValueError, match="shard count"):
+        DataPosition.from_dict(old)
 
 
 def test_epochs_wrap_around(tmp_path):
@@ -90,7 +127,7 @@ def test_epochs_wrap_around(tmp_path):
     it = iter(stream)
     for _ in range(8):
         next(it)
-    assert stream.position.epoch >= 1
+    assert stream.position.epoch(1) >= 1
 
 
 def test_parquet_and_text_files(tmp_path):

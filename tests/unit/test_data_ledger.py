@@ -35,9 +35,11 @@ def shard_files(tmp_path):
 class Worker:
     """One local rank of one node: a leased stream and the iterator the trainer would hold."""
 
-    def __init__(self, ledger: WorkLedger, state: CoordinatorState, node: str, shards) -> None:
-        self.node, self.ledger, self.state = node, ledger, state
-        self.stream = LeasedSequenceStream(shards, ByteTokenizer(), SEQ_LEN, "text", self._lease, worker=0)
+    def __init__(self, ledger: WorkLedger, state: CoordinatorState, node: str, shards, interleave: int = 3) -> None:
+        # The coordinator's fair share of spare shards as for 3 live one-rank nodes: over them and a joiner.
+        self.node, self.ledger, self.state, self.share = node, ledger, state, len(shards) // 4
+        self.stream = LeasedSequenceStream(shards, ByteTokenizer(), SEQ_LEN, "text", self._lease, worker=0,
+                                           interleave=interleave, seed=7)
         self.samples = iter(self.stream)
         self.drawn = 0  # windows since the last commit or rewind
 
@@ -45,9 +47,9 @@ class Worker:
         assert next(self.samples).shape == (SEQ_LEN + 1,)
         self.drawn += 1
 
-    def _lease(self, held):
+    def _lease(self, held, spare):
         with self.state.transaction():
-            return self.ledger.lease(self.node, 0, held)
+            return self.ledger.lease(self.node, 0, held, share=self.share if spare else None)
 
     def commit(self, outer_step: int) -> int:
         ranges = parse_report({"data": self.stream.report()}, workers=1)["data"]
@@ -108,7 +110,9 @@ def test_overlapped_rounds_commit_late_and_still_read_exactly_once(tmp_path, sha
     later rounds read on, with up to `depth` rounds in flight (1: delayed; more: streaming with an
     overlap over H/F steps, the coordinator committing them in order). A refusal re-reads every round
     still in flight (the later ones went out without their reading), a death releases them all."""
-    shards = make_shards(shard_files, parts_per_file=2)
+    # Up to 3 rounds in flight keep finished shards leased until they commit, beside the 3 being read:
+    # 24 shards for 3 workers.
+    shards = make_shards(shard_files, parts_per_file=6)
     state, ledger = fresh_ledger(tmp_path, len(shards))
     rng = random.Random(2 + depth)
     workers = [Worker(ledger, state, f"node{i}", shards) for i in range(3)]
@@ -184,6 +188,22 @@ def test_the_ledger_refuses_reports_that_do_not_match_it(tmp_path, shard_files):
         assert ledger.lease("c", 0, [])["item"] == first["item"]
 
 
+def test_spare_items_stop_at_the_workers_share_and_when_none_is_free(tmp_path):
+    state, ledger = fresh_ledger(tmp_path, 5)
+    with state.transaction():
+        mine = [ledger.lease("a", 0, [])["item"]]
+        mine.append(ledger.lease("a", 0, mine, share=3)["item"])
+        mine.append(ledger.lease("a", 0, mine, share=3)["item"])
+        assert ledger.lease("a", 0, mine, share=3) == {"kind": "data", "item": None}  # holds its share
+        assert ledger.lease("a", 0, mine[:2], share=3)["item"] == mine[2]  # a lost answer, answered again
+        theirs = [ledger.lease("b", 0, [])["item"]]
+        theirs.append(ledger.lease("b", 0, theirs, share=3)["item"])
+        assert ledger.lease("b", 0, theirs, share=3)["item"] is None  # none free: no error for a spare
+        with pytest.raises(LedgerError, match="all 5 data items are leased"):
+            ledger.lease("c", 0, [])  # a worker's first item is not optional
+    assert len(set(mine + theirs)) == 5
+
+
 def test_roll_back_restores_the_cursors_of_an_earlier_step(tmp_path, shard_files):
     shards = make_shards(shard_files, parts_per_file=1)
     state, ledger = fresh_ledger(tmp_path, len(shards))
@@ -200,3 +220,27 @@ def test_roll_back_restores_the_cursors_of_an_earlier_step(tmp_path, shard_files
             ledger.roll_back(step)
         assert state.db.execute("SELECT item, pass, cursor FROM work_items ORDER BY item").fetchall() == snapshots[step]
         assert max(e["round"] for e in ledger.log()) == step and ledger.summary()["leased"] == 0
+
+
+def test_nodes_and_ranks_read_distinct_windows(tmp_path, shard_files, corpus):
+    """Within one pass no window is read twice: by two nodes' interleaved leased streams, or by two
+    data-parallel ranks of one node."""
+    from prime.data.loader import (
+        DataConfig,
+        PackedSequenceStream,
+        train_and_eval_files,
+        worker_shards,
+    )
+
+    shards = make_shards(shard_files, parts_per_file=2)
+    state, ledger = fresh_ledger(tmp_path, len(shards))
+    nodes = [Worker(ledger, state, f"node{i}", shards) for i in range(2)]
+    read = [[tuple(next(w.samples).tolist()) for _ in range(40)] for w in nodes]
+    held = [{h.shard for h in w.stream.held} for w in nodes]
+    assert not held[0] & held[1] and min(map(len, held)) >= 2, held  # each reads several shards, none shared
+    assert not set(read[0]) & set(read[1])
+    train, _ = train_and_eval_files(DataConfig(path=str(corpus)))
+    ranks = [PackedSequenceStream(worker_shards(DataConfig(), train, r, 2), ByteTokenizer(), SEQ_LEN, interleave=4)
+             for r in range(2)]
+    windows = [[tuple(w.tolist()) for w, _ in zip(stream, range(300))] for stream in ranks]
+    assert not set(windows[0]) & set(windows[1])
