@@ -4,13 +4,14 @@ DiLoCo: M nodes of one rank each (a local cluster), reading shards leased from t
 Data-parallel: one node of M ranks (FSDP2) with M× the batch, so both see as many sequences per step
 and tokens in all. One node: one rank with the per-replica batch, as many steps (what a single
 DiLoCo replica sees). Every final checkpoint is evaluated by this script on the same held-out
-sequences. Targets: ratio to data-parallel ≤ 1.01 with 2 nodes, ≤ 1.02 with 4.
+sequences. Targets: ratio to data-parallel ≤ 1.01 with 2 nodes, ≤ 1.02 with 4; below one node beyond
+the spread over seeds.
 
 Every DiLoCo option takes a comma-separated list: the run is the product of them over the seeds, each
 baseline run once per seed and batch; results are appended to --results as they finish (a rerun with
 the same file skips what it holds), then one table (mean ± spread over seeds) and, with --plot, a PNG.
 
-    python launch/bench/loss_parity.py [--nodes 2] [--steps 150] [--inner-steps 50]
+    python launch/bench/loss_parity.py [--nodes 2] [--steps 150] [--inner-steps 10]
     python launch/bench/loss_parity.py --nodes 2 --inner-steps 10,25,50 --outer-lr 0.4,0.7,1.0 \\
         --seeds 0,1,2 --results runs/sweep.jsonl --plot docs/img/sweep.png
 """
@@ -143,13 +144,18 @@ def summarise(results: dict[str, float], arms: list[dict]) -> list[dict]:
     return rows
 
 
+def _label(row: dict) -> str:
+    return {"diloco": f"DiLoCo M={row['nodes']}", "data-parallel": f"data-parallel, {row['nodes']} ranks"}.get(
+        row["kind"], row["kind"])
+
+
 def table(rows: list[dict], args) -> str:
     swept = [n for n in SWEPT if any(n in r for r in rows if r["kind"] == "diloco")]
     head = ["arm", *swept, "seeds", "eval loss (mean ± half-range)", "/ data-parallel", "/ one node"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"])):
         ratio = [f"{r['mean'] / r[k]:.4f}" if r.get(k) and r["kind"] != k else "" for k in ("data-parallel", "one node")]
-        cells = [r["kind"] if r["kind"] != "diloco" else f"DiLoCo M={r['nodes']}",
+        cells = [_label(r),
                  *[str(r.get(n, "")) if r["kind"] == "diloco" or n in ("batch_mult", "warmup") else "" for n in swept],
                  str(r["seeds"]), f"{r['mean']:.4f} ± {r['spread']:.4f}", *ratio]
         lines.append("| " + " | ".join(cells) + " |")
@@ -163,8 +169,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"]))
-    labels = [r["kind"] if r["kind"] != "diloco" else
-              " ".join(f"{k}={r[k]}" for k in SWEPT if k in r and k != "batch_mult" or k == "batch_mult" and r[k] != 1)
+    short = {"inner_steps": "H", "outer_lr": "lr", "outer_momentum": "mom", "mode": "", "eager": "eager",
+             "warmup": "warm-up", "batch_mult": "batch x"}
+    varied = {k for k in SWEPT if len({r.get(k) for r in rows if r["kind"] == "diloco"}) > 1}
+    labels = [_label(r) if r["kind"] != "diloco" else _label(r) + ": " + " ".join(
+              f"{short[k]}{'=' if short[k] else ''}{r[k]}" for k in SWEPT if k in r and (k in varied or k in
+                                                                                        ("inner_steps", "outer_lr",
+                                                                                         "outer_momentum")))
               for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     colors = ["tab:blue" if r["kind"] == "diloco" else "tab:gray" for r in rows]
@@ -190,20 +201,27 @@ def main() -> int:
     for name, (key, kind) in SWEPT.items():
         flag = name.replace("_", "-")
         parser.add_argument(f"--{flag}", type=_list(kind), default=None,
-                            help=f"{key or 'per-replica batch multiple'} (list; default: the config's)")
+                            help=f"{key} (list; default: the config's)" if key else
+                            "the per-replica batch in multiples of train.batch_size (list; default 1)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
                         help="run DiLoCo arms only (the table then has no ratios unless --results holds them)")
     parser.add_argument("--results", type=Path, default=None, help="JSONL of finished arms, appended and reused")
     parser.add_argument("--plot", type=Path, default=None, help="write the table as a bar chart (PNG)")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: the table (and plot) of every arm in --results, whatever the other flags")
     args = parser.parse_args()
+    if args.report and not (args.results and args.results.exists()):
+        parser.error("--report needs --results FILE of finished runs")
     corpus = prepare()
     config = load_config(REPO / args.config)
-    arms = plan(args, config)
     results: dict[str, float] = {}
+    finished: list[dict] = []
     if args.results and args.results.exists():
         for line in args.results.read_text().splitlines():
             entry = json.loads(line)
             results[arm_key(entry["arm"])] = entry["eval_loss"]
+            finished.append(entry["arm"])
+    arms = finished if args.report else plan(args, config)
     todo = [a for a in arms if arm_key(a) not in results]
     print(f"{args.config}, {args.nodes} nodes, {args.steps} steps: {len(arms)} runs, {len(todo)} to do", flush=True)
     for number, arm in enumerate(todo, 1):
@@ -218,9 +236,10 @@ def main() -> int:
         print(f"[{number}/{len(todo)}] {arm_key(arm)}: eval loss {loss:.4f} ({time.monotonic() - started:.0f} s)",
               flush=True)
     rows = summarise(results, arms)
-    tokens = args.steps * config.train.batch_size * config.train.seq_len * args.nodes
-    print(f"\n{args.config}, {args.nodes} nodes, {args.steps} steps, {tokens / 1e6:.2f}M tokens per DiLoCo or "
-          f"data-parallel run (×batch_mult), seeds {args.seeds}")
+    tokens = args.steps * config.train.batch_size * config.train.seq_len * 2
+    seeds = sorted({a["seed"] for a in arms})
+    print(f"\n{args.config}, {args.steps} steps, {tokens / 1e6:.2f}M tokens per 2-node run (×nodes/2, ×batch_mult), "
+          f"seeds {seeds}")
     print(table(rows, args))
     if len(arms) == (3 if args.baselines else 1) * len(args.seeds) and len(args.seeds) == 1:
         diloco = next(r for r in rows if r["kind"] == "diloco")
@@ -228,7 +247,7 @@ def main() -> int:
             print(f"eval loss: DiLoCo (int8) {diloco['mean']:.4f}, data-parallel {diloco['data-parallel']:.4f}, "
                   f"ratio {diloco['mean'] / diloco['data-parallel']:.4f}")
     if args.plot:
-        plot(rows, args.plot, f"{args.config}, {args.nodes} nodes, {args.steps} steps, seeds {args.seeds}")
+        plot(rows, args.plot, f"{args.config}, {args.steps} steps, seeds {seeds}")
         print(f"plot: {args.plot}")
     return 0
 
