@@ -54,6 +54,7 @@ SWEPT = {
     "outer_momentum": ("diloco.outer_momentum", float),
     "mode": ("diloco.mode", str),
     "eager": ("diloco.eager", str),
+    "overlap_steps": ("diloco.overlap_steps", int),
     "warmup": ("optim.warmup_steps", int),
     "batch_mult": (None, int),  # the per-replica batch, in multiples of the config's (baselines follow it)
 }
@@ -123,23 +124,26 @@ def plan(args, config) -> list[dict]:
 
 
 def summarise(results: dict[str, float], arms: list[dict]) -> list[dict]:
-    """One row per arm without its seed: mean and spread over seeds, ratios to the baselines' means."""
-    groups: dict[str, list[float]] = {}
+    """One row per arm without its seed: mean and spread over seeds, ratios to the baselines' means over
+    the same seeds."""
+    groups: dict[str, dict[int, float]] = {}  # arm without its seed -> seed -> eval loss
     shapes: dict[str, dict] = {}
     for arm in arms:
         if arm_key(arm) in results:
             shape = {k: v for k, v in arm.items() if k != "seed"}
-            groups.setdefault(arm_key(shape), []).append(results[arm_key(arm)])
+            groups.setdefault(arm_key(shape), {})[arm["seed"]] = results[arm_key(arm)]
             shapes[arm_key(shape)] = shape
     rows = []
-    for key, losses in groups.items():
-        shape = shapes[key]
-        base = {"nodes": shape["nodes"], "batch_mult": shape["batch_mult"], "warmup": shape.get("warmup")}
+    for key, by_seed in groups.items():
+        shape, losses = shapes[key], list(by_seed.values())
         row = {**shape, "seeds": len(losses), "mean": statistics.fmean(losses),
                "spread": (max(losses) - min(losses)) / 2 if len(losses) > 1 else 0.0}
         for kind in ("data-parallel", "one node"):
-            ref = groups.get(arm_key({"kind": kind, **base, "nodes": base["nodes"] if kind == "data-parallel" else 1}))
-            row[kind] = statistics.fmean(ref) if ref else None
+            base = {"kind": kind, "nodes": shape["nodes"] if kind == "data-parallel" else 1,
+                    "batch_mult": shape["batch_mult"], "warmup": shape.get("warmup")}
+            ref = groups.get(arm_key(base), {})
+            same = [ref[seed] for seed in by_seed if seed in ref]
+            row[kind] = statistics.fmean(same) if len(same) == len(by_seed) else None
         rows.append(row)
     return rows
 
@@ -170,6 +174,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     rows = sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"]))
     short = {"inner_steps": "H", "outer_lr": "lr", "outer_momentum": "mom", "mode": "", "eager": "eager",
+             "overlap_steps": "tau",
              "warmup": "warm-up", "batch_mult": "batch x"}
     varied = {k for k in SWEPT if len({r.get(k) for r in rows if r["kind"] == "diloco"}) > 1}
     labels = [_label(r) if r["kind"] != "diloco" else _label(r) + ": " + " ".join(
