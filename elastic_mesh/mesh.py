@@ -29,7 +29,7 @@ from elastic_mesh.control.client import (
 )
 from elastic_mesh.control.lifeline import LifeLine
 from elastic_mesh.control.store import CoordinatorStore
-from elastic_mesh.control.token import read_token
+from elastic_mesh.control.tls import MemberIdentity
 from elastic_mesh.rounds.plan import RoundClient, RoundPlan
 from elastic_mesh.transfer.chunks import TransferError
 from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport
@@ -97,8 +97,9 @@ class ElasticDeviceMesh:
             raise RuntimeError("initialise the node's local process group before the mesh (torchrun or a 1-rank group)")
         self.config, self.token, self.node_facts = config, token, node_facts
         self.local_rank, self.local_world = dist.get_rank(), dist.get_world_size()
-        self.client = CoordinatorClient(read_token(token).coordinator, config.request_timeout_s,
-                                        config.coordinator_retry_s)
+        self.client = CoordinatorClient.for_token(token, config.request_timeout_s, config.coordinator_retry_s)
+        # When the run speaks TLS, each local rank's server gets a certificate for its own key at join.
+        self.identity = MemberIdentity() if self.client.tls_fp else None
         self.heartbeat: Heartbeat | None = None
         self.lifeline: LifeLine | None = None  # held by local rank 0: its close tells the coordinator we died
         self.telemetry = TelemetryBuffer()
@@ -111,6 +112,8 @@ class ElasticDeviceMesh:
         port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
         self.server = ChunkServer("0.0.0.0", port, key="", keep=serves)
         self.node_facts = {**node_facts, "server_ports": self.gather(self.server.port)}
+        if self.identity is not None:
+            self.node_facts["tls_public_keys"] = self.gather(self.identity.public_pem)
         self.rounds = RoundClient(self.client, self._leader_call, config.barrier_timeout_s)
         self.joined = self._join()
 
@@ -127,6 +130,8 @@ class ElasticDeviceMesh:
             raise CoordinatorError(f"the coordinator refused this node: {answer['error']}")
         self.client.credentials = Credentials(self.client.address, answer["node_id"], answer["session"], answer["name"])
         self.server.key = answer["transfer_key"]
+        if self.identity is not None:
+            self.server.tls = self.identity.server_context(answer["tls_certs"][self.local_rank])
         if self.local_rank == 0:
             if self.heartbeat:
                 self.heartbeat.stop()
@@ -134,7 +139,7 @@ class ElasticDeviceMesh:
                 self.lifeline.stop()
             self.heartbeat = Heartbeat(self.client, answer["heartbeat_s"], self.telemetry).start()
             self.lifeline = LifeLine(self.client.address, answer["node_id"], answer["session"],
-                                     self.config.request_timeout_s).start()
+                                     self.config.request_timeout_s, self.client.tls_context()).start()
         return answer
 
     def share(self, value: dict | None) -> dict:
@@ -223,7 +228,8 @@ class ElasticDeviceMesh:
         if not addresses:
             raise TransferError(f"no live node holds round {sources['committed_round']} to fetch from; if all "
                                 "the nodes that had it are gone, restart the run from a checkpoint (--resume)")
-        fetcher = ChunkFetcher(addresses, self.server.key, work_dir, timeout_s=self.config.fetch_timeout_s)
+        fetcher = ChunkFetcher(addresses, self.server.key, work_dir, timeout_s=self.config.fetch_timeout_s,
+                               tls=self.client.tls_context())
         manifest, tensors, report = fetcher.fetch(kind, version, mixed)
         problems = [f"{len(found)} {what} ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})"
                     for found, what in ((report.corrupt, "chunk(s) did not match their hash"),

@@ -166,13 +166,12 @@ class LocalCluster:
         return self.wan.exec_prefix(host) if self.wan else []
 
     def status(self) -> dict:
-        host = self.wan.address("coordinator") if self.wan else "127.0.0.1"
-        fetch = ("import json, sys, urllib.request; r = urllib.request.Request(sys.argv[1], headers={'Authorization': "
-                 "'Bearer ' + sys.argv[2]}); print(urllib.request.urlopen(r, timeout=10).read().decode())")
+        # The observer token names the coordinator's address (and its certificate, where it speaks TLS).
+        fetch = ("import json, sys; from elastic_mesh.control.client import CoordinatorClient; "
+                 "print(json.dumps(CoordinatorClient.for_token(sys.argv[1], 10, 10).get_status(sys.argv[1])))")
         # Run where the coordinator is reachable: in an emulated WAN, that is inside a namespace.
-        result = subprocess.run([*self._prefix("coordinator"), sys.executable, "-c", fetch,
-                                 f"http://{host}:{self.port}/status", self.token],
-                                capture_output=True, text=True, timeout=30, check=True)
+        result = subprocess.run([*self._prefix("coordinator"), sys.executable, "-c", fetch, self.token],
+                                capture_output=True, text=True, timeout=30, check=True, cwd=REPO, env=child_env())
         return json.loads(result.stdout)
 
     def metrics(self, name: str) -> list[dict]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_mesh.control.process_tree import descendants
-from elastic_mesh.control.token import create_token
+from elastic_mesh.control.token import create_token, read_token
 
 
 @dataclass
@@ -269,13 +269,15 @@ class FaultInjector:
         started = time.monotonic()
         host = self.wan.address("coordinator") if self.wan else "127.0.0.1"
         forged = create_token(os.urandom(32), f"{host}:{self.cluster.port}", "run-forged", 60)
-        code = ("import sys, urllib.request, urllib.error, json\n"
-                "r = urllib.request.Request(sys.argv[1], data=json.dumps({'token': sys.argv[2]}).encode())\n"
-                "try:\n    urllib.request.urlopen(r, timeout=10); print(200)\n"
-                "except urllib.error.HTTPError as e:\n    print(e.code)\n")
+        # Sent over the run's own transport (TLS where it speaks TLS), so the refusal is the token's.
+        code = ("import sys\nfrom elastic_mesh.control.client import CoordinatorClient, CoordinatorError\n"
+                "c = CoordinatorClient(sys.argv[1], 10, 10, tls_fp=sys.argv[3])\n"
+                "try:\n    c.post('/v1/join', {'token': sys.argv[2]}, retry=False); print(200)\n"
+                "except CoordinatorError as e:\n    print(e.status)\n")
         prefix = self.wan.exec_prefix("coordinator") if self.wan else []
-        answer = subprocess.run([*prefix, sys.executable, "-c", code, f"http://{host}:{self.cluster.port}/v1/join",
-                                 forged], capture_output=True, text=True, timeout=60).stdout.strip()
+        answer = subprocess.run([*prefix, sys.executable, "-c", code, f"{host}:{self.cluster.port}", forged,
+                                 read_token(self.cluster.token).tls_fp],
+                                capture_output=True, text=True, timeout=60).stdout.strip()
         if answer != "403":
             raise AssertionError(f"a forged token was answered {answer}, not 403")
         return self._record("forged-token", "coordinator", at=started)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from elastic_mesh.control.signing import SignatureError, fingerprint, verify
+from elastic_mesh.control.tls import MemberIdentity
 from elastic_mesh.control.token import read_token
 from elastic_mesh.transfer.chunk_dir import ChunkDir
 from elastic_mesh.transfer.chunks import (
@@ -76,9 +77,12 @@ class BroadcastMember:
         self.settings = settings or BroadcastSettings()
         self.kind, self.work_dir, self.on_progress = kind, Path(work_dir) / kind, on_progress
         info = read_token(token)
-        self.client = CoordinatorClient(info.coordinator, request_timeout_s=30, retry_s=60, bearer=token)
+        self.client = CoordinatorClient.for_token(token, request_timeout_s=30, retry_s=60, bearer=True)
+        # A serving member of a run that speaks TLS gets a certificate for its own key with the hello.
+        identity = MemberIdentity() if serve and info.tls_fp else None
         try:
-            hello = self.client.post("/v1/broadcast/hello", {})
+            hello = self.client.post("/v1/broadcast/hello",
+                                     {"tls_public_key": identity.public_pem} if identity else {})
         except CoordinatorError as e:
             raise BroadcastError(f"the coordinator at {info.coordinator} refused this member: {e}") from None
         if info.key_fp and fingerprint(hello["public_key"]) != info.key_fp:
@@ -101,6 +105,8 @@ class BroadcastMember:
             # seconds, so a peer in the middle of a chunk is not cut off.
             self.server = ChunkServer(self.settings.host, self.settings.port, self.key, keep={kind: self.settings.keep},
                                       pin_s=5.0, upload_slots=self.settings.upload_slots)
+            if identity is not None:
+                self.server.tls = identity.server_context(hello["tls_cert"])
             self._announcer = threading.Thread(target=self._announce_loop, daemon=True, name="broadcast-have")
             self._announcer.start()
 
@@ -217,7 +223,7 @@ class BroadcastMember:
             download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
                      holders, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
-                     seeders=lambda: holders.origins)
+                     seeders=lambda: holders.origins, tls=self.client.tls)
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
                                  "for the next try") from None

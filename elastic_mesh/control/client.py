@@ -1,5 +1,9 @@
 """A node's connection to the coordinator: JSON over HTTP with the node's session, retries, heartbeats.
 
+When the join token names the coordinator's TLS certificate (tls_fp), the client speaks TLS: before
+its first request it reads the certificate the coordinator presents and compares its fingerprint with
+the token's (control/tls.py), then verifies every connection against it. A mismatch is never retried.
+
 Every call has an explicit timeout. Connection failures are retried for up to `retry_s`, so a
 coordinator that restarts does not bring nodes down; refusals (4xx) are raised at once. Connections
 are kept open between requests (elastic_mesh/control/kept_connections.py): over a WAN a new one costs a round
@@ -11,12 +15,15 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import ssl
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from elastic_mesh.control.kept_connections import KeptConnections
+from elastic_mesh.control.tls import TLSError, client_context, pinned_ca
+from elastic_mesh.control.token import read_token
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +46,36 @@ class Credentials:
 
 class CoordinatorClient:
     def __init__(self, address: str, request_timeout_s: float = 30.0, retry_s: float = 120.0,
-                 bearer: str | None = None) -> None:
-        """bearer: a join token sent with every request instead of a session (broadcast members)."""
+                 bearer: str | None = None, tls_fp: str = "", tls: ssl.SSLContext | None = None) -> None:
+        """bearer: a join token sent with every request instead of a session (broadcast members).
+        tls_fp: the fingerprint of the coordinator's TLS certificate ("": plain HTTP). tls: a context that
+        already trusts the run's certificates, for another of the run's servers (an RL orchestrator)."""
         self.address, self.request_timeout_s, self.retry_s = address, request_timeout_s, retry_s
-        self.bearer = bearer
+        self.bearer, self.tls_fp = bearer, tls_fp
         self.credentials: Credentials | None = None
-        self._connections = KeptConnections(request_timeout_s)
+        self.tls = tls  # set once the coordinator's certificate checked out
+        self._connections = KeptConnections(request_timeout_s, tls)
+        self._pin_lock = threading.Lock()
+
+    @classmethod
+    def for_token(cls, token: str, request_timeout_s: float = 30.0, retry_s: float = 120.0,
+                  bearer: bool = False) -> "CoordinatorClient":
+        """A client of the coordinator a join token names, over TLS when the token pins a certificate."""
+        info = read_token(token)
+        return cls(info.coordinator, request_timeout_s, retry_s, bearer=token if bearer else None,
+                   tls_fp=info.tls_fp)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The context that trusts this run's certificates (None: the run speaks plain HTTP). The first call
+        checks the coordinator's certificate against the token: TLSError if it is not the one."""
+        if not self.tls_fp or self.tls is not None:
+            return self.tls
+        with self._pin_lock:
+            if self.tls is None:
+                self._connections = KeptConnections(self.request_timeout_s, client_context(
+                    pinned_ca(self.address, self.tls_fp, self.request_timeout_s)))
+                self.tls = self._connections.tls
+        return self.tls
 
     def _session_headers(self) -> dict[str, str]:
         if not self.credentials:
@@ -52,7 +83,12 @@ class CoordinatorClient:
         return {"X-Prime-Node": self.credentials.node_id, "X-Prime-Session": self.credentials.session}
 
     def _answer(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> dict:
-        status, data = self._connections.request(self.address, method, path, body, headers)
+        self.tls_context()
+        try:
+            status, data = self._connections.request(self.address, method, path, body, headers)
+        except ssl.SSLCertVerificationError as e:
+            raise TLSError(f"the coordinator at {self.address} presents a certificate this run's did not sign "
+                           f"({e.verify_message}): someone in between?") from None
         if status >= 400:
             try:
                 message = json.loads(data).get("error", f"HTTP {status}")
@@ -69,6 +105,8 @@ class CoordinatorClient:
         while True:
             try:
                 return self._answer("POST", path, data, headers)
+            except TLSError as e:  # not the coordinator the token names: retrying would not change that
+                raise CoordinatorError(str(e)) from None
             except (http.client.HTTPException, OSError) as e:
                 if time.monotonic() > give_up:
                     raise CoordinatorError(f"coordinator {self.address} unreachable for {self.retry_s:.0f} s "
@@ -81,6 +119,8 @@ class CoordinatorClient:
         headers = {"Authorization": f"Bearer {token}"} if token else self._session_headers()
         try:
             return self._answer("GET", "/status", None, headers)
+        except TLSError as e:
+            raise CoordinatorError(str(e)) from None
         except (http.client.HTTPException, OSError) as e:
             raise CoordinatorError(f"coordinator {self.address} unreachable ({e})") from None
 

@@ -13,6 +13,7 @@ on a fresh connection. Connections idle for longer than the servers wait are not
 from __future__ import annotations
 
 import http.client
+import ssl
 import threading
 import time
 
@@ -23,8 +24,9 @@ class KeptConnections:
     """Idle connections, per host:port, that any thread may take for one request and give back. Each
     request in flight holds its own connection, so long-polls of several threads never share one."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        """tls: speak TLS, trusting what this context trusts (control/tls.py); None: plain HTTP."""
+        self.timeout_s, self.tls = timeout_s, tls
         self._idle: dict[str, list[tuple[http.client.HTTPConnection, float]]] = {}
         self._lock = threading.Lock()
 
@@ -66,6 +68,8 @@ class KeptConnections:
                     return conn, True
                 conn.close()
         host, port = address.rsplit(":", 1)
+        if self.tls is not None:
+            return http.client.HTTPSConnection(host, int(port), timeout=self.timeout_s, context=self.tls), False
         return http.client.HTTPConnection(host, int(port), timeout=self.timeout_s), False
 
     def _give_back(self, address: str, conn: http.client.HTTPConnection, closing: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,10 @@ REPLACED = b"replaced\n"  # the one thing the coordinator ever sends on it: a ne
 
 
 class LifeLine:
-    def __init__(self, address: str, node_id: str, session: str, connect_timeout_s: float = 10.0) -> None:
-        self.address, self.node_id, self.session = address, node_id, session
+    def __init__(self, address: str, node_id: str, session: str, connect_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """tls: the client context of a coordinator that speaks TLS (CoordinatorClient.tls)."""
+        self.address, self.node_id, self.session, self.tls = address, node_id, session, tls
         self.connect_timeout_s = connect_timeout_s
         self.refused: str | None = None  # why the coordinator refused it (then it is not re-opened)
         self._stop = threading.Event()
@@ -38,6 +41,12 @@ class LifeLine:
     def _open(self) -> socket.socket:
         host, port = self.address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock)
+            except OSError:
+                sock.close()
+                raise
         request = (f"POST {PATH} HTTP/1.1\r\nHost: {self.address}\r\nContent-Length: 0\r\n"
                    f"X-Prime-Node: {self.node_id}\r\nX-Prime-Session: {self.session}\r\n\r\n")
         sock.sendall(request.encode())

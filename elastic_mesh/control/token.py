@@ -5,7 +5,8 @@ role (`node`: joins as a training node; `worker`: an inference worker; `observer
 the dashboard only), a cap on the live nodes it may admit at once (1 by default: each contributor gets
 its own, and a leaked one adds one node, not a majority), an expiry and an id by which the operator
 revokes it. `publish` grants the right to publish broadcast versions; `key_fp` is the fingerprint of
-the coordinator's signing key, so a member trusts exactly that coordinator's signatures. A forged, expired or foreign token is refused with a reason that reveals nothing about the
+the coordinator's signing key, so a member trusts exactly that coordinator's signatures; `tls_fp` the
+fingerprint of its TLS certificate ("" when the run speaks plain HTTP). A forged, expired or foreign token is refused with a reason that reveals nothing about the
 run it was tried on.
 """
 
@@ -37,6 +38,7 @@ class JoinToken:
     max_nodes: int = 1  # live nodes it may admit at once (tokens made before roles existed: 1 too)
     publish: bool = False  # may publish broadcast versions (the coordinator signs their manifests)
     key_fp: str = ""  # fingerprint of the coordinator's signing key ("" in tokens made before it existed)
+    tls_fp: str = ""  # SHA-256 of the coordinator's TLS certificate ("": the run speaks plain HTTP)
 
 
 def _b64(data: bytes) -> str:
@@ -48,7 +50,7 @@ def _unb64(text: str) -> bytes:
 
 
 def create_token(secret: bytes, coordinator: str, run_id: str, ttl_s: float, role: str = "node",
-                 max_nodes: int = 1, publish: bool = False, key_fp: str = "") -> str:
+                 max_nodes: int = 1, publish: bool = False, key_fp: str = "", tls_fp: str = "") -> str:
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     if max_nodes < 1:
@@ -56,7 +58,7 @@ def create_token(secret: bytes, coordinator: str, run_id: str, ttl_s: float, rol
     if publish and role == "observer":
         raise ValueError("an observer token only reads the status; it cannot carry the publish right")
     payload = JoinToken(coordinator, run_id, time.time() + ttl_s, secrets.token_hex(8), role, max_nodes, publish,
-                        key_fp)
+                        key_fp, tls_fp)
     body = _b64(json.dumps(asdict(payload), sort_keys=True).encode())
     signature = _b64(hmac.new(secret, body.encode(), hashlib.sha256).digest())
     return f"{PREFIX}.{body}.{signature}"
@@ -71,7 +73,8 @@ def read_token(text: str) -> JoinToken:
         fields = json.loads(_unb64(body))
         token = JoinToken(str(fields["coordinator"]), str(fields["run_id"]), float(fields["expires_at"]),
                           str(fields["token_id"]), str(fields.get("role", "node")), int(fields.get("max_nodes", 1)),
-                          bool(fields.get("publish", False)), str(fields.get("key_fp", "")))
+                          bool(fields.get("publish", False)), str(fields.get("key_fp", "")),
+                          str(fields.get("tls_fp", "")))
         if token.role not in ROLES or token.max_nodes < 1:
             raise ValueError
         return token

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=29400, help="port (0: any free port; see STATE_DIR/address)")
     serve.add_argument("--advertise", default=None, help="host:port that nodes use to reach this coordinator")
     serve.add_argument("--run-id", default=None, help="name of the run (default: a new random one)")
+    serve.add_argument("--tls", choices=("auto", "on", "off"), default="auto",
+                       help="serve HTTPS with the run's own certificate, which join tokens pin (made in "
+                            "STATE_DIR on first use; nodes' snapshot and broadcast servers get certificates "
+                            "from it at join). auto (default): on unless the advertised address is loopback")
     for name, field in CoordinatorConfig.model_fields.items():
         if isinstance(field.default, bool):
             serve.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=field.description)
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     config = CoordinatorConfig(**{k: getattr(args, k) for k in CoordinatorConfig.model_fields})
-    server = start_coordinator(args.state_dir, args.host, args.port, config, args.advertise, args.run_id)
+    server = start_coordinator(args.state_dir, args.host, args.port, config, args.advertise, args.run_id,
+                               tls={"auto": None, "on": True, "off": False}[args.tls])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

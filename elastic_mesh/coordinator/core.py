@@ -18,6 +18,7 @@ import threading
 import time
 
 from elastic_mesh.control.signing import RunSigner
+from elastic_mesh.control.tls import RunAuthority
 from elastic_mesh.control.token import JoinToken, TokenError, verify_token
 from elastic_mesh.coordinator.admission import Admission
 from elastic_mesh.coordinator.broadcasts import Broadcasts
@@ -33,9 +34,10 @@ log = logging.getLogger(__name__)
 
 class Coordinator:
     def __init__(self, state: CoordinatorState, secret: bytes, run_id: str, config: CoordinatorConfig,
-                 address: str, signer: RunSigner) -> None:
+                 address: str, signer: RunSigner, authority: RunAuthority | None = None) -> None:
+        """authority: the run's TLS authority when it serves TLS; it certifies members' chunk servers."""
         self.state, self.secret, self.run_id, self.config, self.address = state, secret, run_id, config, address
-        self.signer = signer
+        self.signer, self.authority = signer, authority
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
@@ -72,10 +74,23 @@ class Coordinator:
             raise Refused(403, f"an observer token reads the status only; {action} needs a node or worker token")
         return token
 
-    def broadcast_hello(self, token: JoinToken) -> dict:
-        return {"status": "ok", "run_id": self.run_id, "public_key": self.signer.public_hex,
-                "broadcast_key": self.state.get_meta("broadcast_key"), "holder_ttl_s": self.config.holder_ttl_s,
-                "publish": token.publish}
+    def broadcast_hello(self, token: JoinToken, body: dict) -> dict:
+        answer = {"status": "ok", "run_id": self.run_id, "public_key": self.signer.public_hex,
+                  "broadcast_key": self.state.get_meta("broadcast_key"), "holder_ttl_s": self.config.holder_ttl_s,
+                  "publish": token.publish}
+        if self.authority is not None and body.get("tls_public_key"):  # it serves chunks to others
+            answer["tls_cert"] = self._certify([body["tls_public_key"]], f"{token.role} {token.token_id}")[0]
+        return answer
+
+    def _certify(self, keys: object, subject: str) -> list[str]:
+        """Certificates for members' own keys, so their chunk servers speak TLS that peers trust."""
+        if not isinstance(keys, list) or not 1 <= len(keys) <= 64 or not all(isinstance(k, str) and len(k) < 4096
+                                                                           for k in keys):
+            raise Refused(400, "tls_public_keys must list one PEM public key per process (at most 64)")
+        try:
+            return [self.authority.issue(key, f"{subject}/{i}") for i, key in enumerate(keys)]
+        except ValueError as e:
+            raise Refused(400, f"cannot certify this member's key: {e}") from None
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
         if self.config.public_status:
             return True
@@ -89,7 +104,14 @@ class Coordinator:
         return node is not None and hmac.compare_digest(node.session_hash, hash_session(session or ""))
 
     def join(self, body: dict, peer: str = "") -> dict:
-        return self.admission.join(body, peer)
+        if self.authority is None:
+            return self.admission.join(body, peer)
+        # The run speaks TLS: every server of the node must too, with a certificate peers will trust.
+        if not body.get("tls_public_keys"):
+            raise Refused(400, "this coordinator serves TLS, so a node must send its servers' public keys "
+                               "(tls_public_keys) with its join; update prime on this node")
+        certificates = self._certify(body["tls_public_keys"], str(body.get("name", "node"))[:48])
+        return {**self.admission.join(body, peer), "tls_certs": certificates}
 
     def authenticate(self, node_id: str, session: str) -> Node:
         return self.members.authenticate(node_id, session)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import secrets
 from pathlib import Path
 
 from elastic_mesh.control.signing import RunSigner
+from elastic_mesh.control.tls import RunAuthority
 from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.core import Coordinator
 from elastic_mesh.coordinator.server import CoordinatorServer
 from elastic_mesh.coordinator.state import CoordinatorState
+
+log = logging.getLogger(__name__)
+TLS_MARK = "tls_fingerprint"  # present while the coordinator serves TLS: `token create` pins it
 
 
 def _secret(state_dir: Path) -> bytes:
@@ -28,11 +34,22 @@ def run_signer(state_dir: Path) -> RunSigner:
     return RunSigner.load_or_create(Path(state_dir) / "signing_key.pem")
 
 
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: other machines may reach it
+
+
 def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
                       config: CoordinatorConfig | None = None, advertise: str | None = None,
-                      run_id: str | None = None) -> CoordinatorServer:
+                      run_id: str | None = None, tls: bool | None = None) -> CoordinatorServer:
     """Serves in background threads; returns the server (stop() it). Restarting on the same state_dir
-    continues the run."""
+    continues the run. tls: serve HTTPS with the run's own certificate (control/tls.py); None (auto):
+    yes unless the address nodes are told is loopback, where nothing crosses a network."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = CoordinatorState(state_dir / "coordinator.sqlite")
@@ -47,8 +64,19 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
         # production passes --advertise, the single-machine default is loopback.
         visible = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
         advertise = f"{visible}:{server.port}"
+    tls = not is_loopback(advertise) if tls is None else tls
+    authority = RunAuthority.load_or_create(state_dir, run_id, advertise.rsplit(":", 1)[0]) if tls else None
     server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise,
-                                     run_signer(state_dir))
+                                     run_signer(state_dir), authority)
+    mark = state_dir / TLS_MARK
+    if authority is not None:
+        server.tls = authority.server_context()
+        mark.write_text(authority.fingerprint)
+        log.info("serving TLS with the run's certificate %s... (join tokens pin it)", authority.fingerprint[:16])
+    else:
+        mark.unlink(missing_ok=True)
+        log.info("serving plain HTTP%s", " (loopback: nothing leaves this machine)" if is_loopback(advertise)
+                 else ": tokens, sessions and transfer keys cross the network in clear (--tls on to change)")
     # Atomically: launchers poll for this file and must never read it half-written.
     staging = state_dir / "address.tmp"
     staging.write_text(advertise)
@@ -68,8 +96,9 @@ def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, 
     address = address or ((state_dir / "address").read_text().strip() if (state_dir / "address").exists() else None)
     if not run_id or not address:
         raise ValueError(f"the coordinator of {state_dir} has never started; start it, or pass --address HOST:PORT")
+    mark = state_dir / TLS_MARK
     text = create_token(_secret(state_dir), address, run_id, ttl_s, role, max_nodes, publish,
-                        run_signer(state_dir).fingerprint)
+                        run_signer(state_dir).fingerprint, mark.read_text().strip() if mark.exists() else "")
     token = read_token(text)
     with state.transaction():
         state.put_token(token.token_id, token.role, token.max_nodes, token.expires_at)

@@ -10,6 +10,7 @@ import base64
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from elastic_mesh.control.lifeline import PATH as LIFELINE
 from elastic_mesh.control.lifeline import REPLACED
+from elastic_mesh.control.tls import accept
 from elastic_mesh.coordinator.config import Refused
 from elastic_mesh.coordinator.core import Coordinator
 
@@ -122,23 +124,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.close_connection = True
         conn, lifelines = self.connection, self.server.lifelines
+        replaced = threading.Event()
         with self.server.lifelines_lock:
             older = lifelines.get(node.node_id)
-            lifelines[node.node_id] = conn
+            lifelines[node.node_id] = (conn, replaced)
         if older is not None:  # one per node: a newer one replaces it (its close is not a death)
+            older[1].set()
+        # It carries nothing: only its close matters. Its own thread is the only one that ever reads or
+        # writes it (a TLS connection must not be used by two threads at once), so a replacement is a
+        # flag it looks at twice a second, and it sends "replaced" itself.
+        conn.settimeout(0.5)
+        while not replaced.is_set():
             try:
-                older.sendall(REPLACED)  # its holder stops re-opening it
+                if not conn.recv(4096):
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                break  # a reset is a close too
+        if replaced.is_set():
+            try:
+                conn.sendall(REPLACED)  # its holder stops re-opening it
             except OSError:
                 pass
-            _close(older)
-        try:
-            conn.settimeout(None)  # it carries nothing: only its close matters
-            while conn.recv(4096):
-                pass
-        except OSError:
-            pass  # a reset is a close too
         with self.server.lifelines_lock:
-            current = lifelines.get(node.node_id) is conn
+            current = lifelines.get(node.node_id, (None,))[0] is conn
             if current:
                 del lifelines[node.node_id]
         if current and not self.server.stopping.is_set():  # our own stop closes them all: no deaths
@@ -245,7 +255,7 @@ BROADCAST = "/v1/broadcast/"
 # Broadcast members authenticate with their token on every request (they hold no session): (coordinator,
 # token, body, peer address) -> answer.
 _BROADCAST_ROUTES = {
-    BROADCAST + "hello": lambda c, t, b, p: c.broadcast_hello(t),
+    BROADCAST + "hello": lambda c, t, b, p: c.broadcast_hello(t, b),
     BROADCAST + "publish": lambda c, t, b, p: c.broadcasts.publish(t, b, p),
     BROADCAST + "wait": lambda c, t, b, p: _long_poll(c, lambda: c.broadcasts.wait_answer(b)),
     BROADCAST + "manifest": lambda c, t, b, p: c.broadcasts.manifest(b),
@@ -264,7 +274,9 @@ class CoordinatorServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, coordinator: Coordinator) -> None:
         super().__init__((host, port), _Handler)
         self.coordinator = coordinator
-        self.lifelines: dict[str, socket.socket] = {}  # node_id -> its lifeline connection, held open
+        self.tls: ssl.SSLContext | None = None  # set before start(): every connection speaks TLS
+        # node_id -> its lifeline connection, held open, and the flag that tells its thread it was replaced
+        self.lifelines: dict[str, tuple[socket.socket, threading.Event]] = {}
         self.lifelines_lock = threading.Lock()
         self.stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="coordinator-tick")
@@ -273,6 +285,14 @@ class CoordinatorServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def get_request(self):
+        conn, address = self.socket.accept()
+        return accept(conn, self.tls), address
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that does not speak TLS to a TLS coordinator, or hangs up mid-request: its problem.
+        log.debug("request from %s failed", client_address, exc_info=True)
 
     def start(self) -> None:
         self._ticker.start()
@@ -291,5 +311,5 @@ class CoordinatorServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         with self.lifelines_lock:  # the nodes re-open theirs against the next coordinator
-            for conn in self.lifelines.values():
+            for conn, _ in self.lifelines.values():
                 _close(conn)

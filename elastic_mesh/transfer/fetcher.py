@@ -17,6 +17,7 @@ import http.client
 import json
 import logging
 import random
+import ssl
 import struct
 import threading
 import time
@@ -47,11 +48,12 @@ class FetchReport:
     seconds: float = 0.0
 
 
-def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
+def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections | None = None,
+              tls: ssl.SSLContext | None = None) -> bytes:
     """One GET with the transfer key. With `conns` (a download stream's own connections) the connection
     to each source is kept open between chunks: a new TCP connection per chunk restarts slow start every
     time, which costs most on the long, fat links state crosses."""
-    kept = conns or KeptConnections(timeout_s)
+    kept = conns or KeptConnections(timeout_s, tls)
     try:
         status, body = kept.request(source, "GET", path, headers={KEY_HEADER: key})
     except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
@@ -70,15 +72,18 @@ class ChunkFetcher:
     """Fetches one version of a kind from several sources at once into work_dir (verified chunk files)."""
 
     def __init__(self, sources: list[str], key: str, work_dir: Path, timeout_s: float = 30.0,
-                 streams_per_source: int = 2, max_failures_per_source: int = 3) -> None:
+                 streams_per_source: int = 2, max_failures_per_source: int = 3,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """tls: the run's client context when its members serve over TLS (control/tls.py)."""
         if not sources:
             raise TransferError("no sources to fetch from")
         self.sources, self.key, self.work_dir = list(sources), key, Path(work_dir)
         self.timeout_s, self.streams = timeout_s, streams_per_source
         self.max_failures = max_failures_per_source
+        self.tls = tls
 
     def _get(self, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
-        return get_chunk(self.key, self.timeout_s, source, path, conns)
+        return get_chunk(self.key, self.timeout_s, source, path, conns, self.tls)
 
     def manifests(self, kind: str, version: int | None) -> dict[str, dict]:
         """The manifest each reachable source holds for `version` (or its latest)."""
@@ -121,7 +126,8 @@ class ChunkFetcher:
         report.resumed_chunks = target.resume()
         everything = {s: None for s in sources}
         download(self._get, target, kind, lambda: everything,
-                 SourcePicker(self.streams, self.max_failures), report, streams=self.streams * len(sources))
+                 SourcePicker(self.streams, self.max_failures), report, streams=self.streams * len(sources),
+                 tls=self.tls)
         report.seconds = time.monotonic() - started
         return manifest, target.tensors(), report
 
@@ -130,7 +136,8 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
              holders: Callable[[], dict[str, bytes | None]], picker: SourcePicker, report: FetchReport,
              streams: int, stall_s: float = 0.0, on_verified: Callable[[int], None] | None = None,
              on_bad: Callable[[str, int, str], None] | None = None, timeout_s: float = 30.0,
-             seed: int | None = None, seeders: Callable[[], set[str]] | None = None) -> None:
+             seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
+             tls: ssl.SSLContext | None = None) -> None:
     """Fetches every chunk `target` lacks, `streams` at a time, until it is complete.
 
     holders(): source -> bitmap of the chunks it holds (None: all), asked again before every choice (the
@@ -189,7 +196,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         return None
 
     def worker() -> None:
-        conns = KeptConnections(timeout_s)
+        conns = KeptConnections(timeout_s, tls)
         try:
             while True:
                 with cond:

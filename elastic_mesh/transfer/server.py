@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import random
+import ssl
 import struct
 import termios
 import threading
@@ -25,6 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from elastic_mesh.control.tls import accept
 from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
 from elastic_mesh.transfer.chunks import Chunked, Deferred
 
@@ -145,6 +147,9 @@ class ChunkServer(ThreadingHTTPServer):
             raise ValueError(f"keep {keep} must name at least one kind, each keeping at least 1 version")
         super().__init__((host, port), _Handler)
         self.key, self.pin_s, self.keep = key, pin_s, dict(keep)
+        # Set once the coordinator certified this member's key (control/tls.py): from then on every new
+        # connection speaks TLS. Until the run's members learn this server's address there are none.
+        self.tls: ssl.SSLContext | None = None
         self.before_chunk: Callable[[str, int, int], None] | None = None
         self.chunk_filter: Callable[[str, int, int, bytes], bytes] | None = None
         self.served: dict[tuple[str, int], int] = {}  # (kind, version) -> bytes served
@@ -160,6 +165,10 @@ class ChunkServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def get_request(self):
+        conn, address = self.socket.accept()
+        return accept(conn, self.tls), address
 
     def handle_error(self, request, client_address) -> None:
         # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.tls import accept
 from elastic_mesh.control.token import JoinToken, TokenError, read_token
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,9 @@ class Refused(Exception):
 class TokenCheck:
     """Confirms bearer tokens with the run's coordinator; answers the token's (signed) facts."""
 
-    def __init__(self, coordinator: str, run_id: str, recheck_s: float = 30.0) -> None:
-        self.coordinator, self.run_id, self.recheck_s = coordinator, run_id, recheck_s
+    def __init__(self, coordinator: str, run_id: str, recheck_s: float = 30.0, tls_fp: str = "") -> None:
+        """tls_fp: the coordinator's certificate as this process's own token names it (never a caller's)."""
+        self.coordinator, self.run_id, self.recheck_s, self.tls_fp = coordinator, run_id, recheck_s, tls_fp
         self._cache: dict[str, tuple[JoinToken, float]] = {}
         self._lock = threading.Lock()
 
@@ -49,7 +52,7 @@ class TokenCheck:
             token = read_token(text)
         except TokenError as e:
             raise Refused(403, f"malformed token: {e}") from None
-        client = CoordinatorClient(self.coordinator, request_timeout_s=10, retry_s=10, bearer=text)
+        client = CoordinatorClient(self.coordinator, request_timeout_s=10, retry_s=10, bearer=text, tls_fp=self.tls_fp)
         try:
             hello = client.post("/v1/broadcast/hello", {})
         except CoordinatorError as e:
@@ -79,6 +82,14 @@ class JsonServer(ThreadingHTTPServer):
                  max_request_bytes: int = 64 << 20) -> None:
         super().__init__((host, port), _Handler)
         self.routes, self.check, self.max_request_bytes = routes, check, max_request_bytes
+        self.tls: ssl.SSLContext | None = None  # set before start() where the run speaks TLS (control/tls.py)
+
+    def get_request(self):
+        conn, address = self.socket.accept()
+        return accept(conn, self.tls), address
+
+    def handle_error(self, request, client_address) -> None:  # a client that spoke no TLS, or hung up
+        log.debug("request from %s failed", client_address, exc_info=True)
 
     @property
     def port(self) -> int:

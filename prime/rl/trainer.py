@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("this token has no publish right: the trainer publishes the policy (token create --publish)")
     meta = {"orchestrator": args.orchestrator}
     _publish_if_missing(member, step, model, args.policy, meta)
-    orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token)
+    orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
+                                     tls=member.client.tls_context())
     args.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (args.run_dir / "metrics.jsonl").open("a")
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
     held = HeldPolicy(member, args.work_dir / "policies", getattr(torch, args.dtype))
     held.fetch(int(newest["version"]))
     threading.Thread(target=held.follow, daemon=True, name="policy-follower").start()
-    orchestrator = CoordinatorClient(address, request_timeout_s=60, retry_s=60, bearer=token)
+    orchestrator = CoordinatorClient(address, request_timeout_s=60, retry_s=60, bearer=token,
+                                     tls=member.client.tls_context())
     log.info("worker ready at version %d; orchestrator %s", held.version, address)
     rollouts, busy_s, started = 0, 0.0, time.monotonic()
     try:

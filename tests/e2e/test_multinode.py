@@ -7,6 +7,7 @@ import sqlite3
 import time
 from contextlib import closing
 
+from elastic_mesh.control.token import read_token
 from elastic_mesh.coordinator.leases import WorkLedger
 from elastic_mesh.coordinator.state import CoordinatorState
 from launch.cluster import LocalCluster, wait_for
@@ -21,9 +22,9 @@ BASE = ["--train.eval_every", "0", "--checkpoint.every", "0", "--diloco.inner_st
 RECORD_KEYS = {"outer_step", "epoch", "members", "allreduce_s", "bytes_sent", "bytes_received", "model_hash"}
 
 
-def cluster(tmp_path, corpus, start_nodes, steps=30, extra=(), nproc=1) -> LocalCluster:
+def cluster(tmp_path, corpus, start_nodes, steps=30, extra=(), nproc=1, coordinator=()) -> LocalCluster:
     overrides = [*BASE, "--data.path", str(corpus), "--train.max_steps", str(steps), *extra]
-    c = LocalCluster(tmp_path / "run", "configs/debug.toml", overrides, nproc, COORDINATOR)
+    c = LocalCluster(tmp_path / "run", "configs/debug.toml", overrides, nproc, [*COORDINATOR, *coordinator])
     c.start_coordinator(start_nodes=start_nodes)
     return c
 
@@ -138,11 +139,11 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, corpus):
         assert any("coordinator restarted" in e["text"] for e in status["events"])
 
 
-def join_midway(tmp_path, corpus, steps: int, after: int, extra=()) -> tuple[LocalCluster, dict, list, str]:
+def join_midway(tmp_path, corpus, steps: int, after: int, extra=(), coordinator=()) -> tuple[LocalCluster, dict, list, str]:
     """Two slowed nodes train; a third ("late") starts once `after` outer steps are committed. Returns the
     cluster, late's outer records, its catch-up records and the coordinator's events."""
     slow = ["--chaos.step_delay_s", "0.2"]  # keeps the run going while the newcomer starts
-    with cluster(tmp_path, corpus, 2, steps=steps, extra=extra) as c:
+    with cluster(tmp_path, corpus, 2, steps=steps, extra=extra, coordinator=coordinator) as c:
         c.start_node("node0", slow)
         c.start_node("node1", slow)
         wait_for(lambda: len(c.outer_records("node0")) >= after, 120, f"{after} outer steps")
@@ -153,7 +154,11 @@ def join_midway(tmp_path, corpus, steps: int, after: int, extra=()) -> tuple[Loc
 
 
 def test_a_node_joins_a_running_job(tmp_path, corpus):
-    c, late, caught, events = join_midway(tmp_path, corpus, steps=100, after=2)
+    # Over TLS, as across machines (auto mode keeps loopback plain): the control plane, every local rank's
+    # snapshot server and the joiner's download all speak it; the other tests here cover plain HTTP.
+    c, late, caught, events = join_midway(tmp_path, corpus, steps=100, after=2, coordinator=["--tls", "on"])
+    assert "serving TLS with the run's certificate" in c.log("coordinator")
+    assert read_token(c.node_token("late")).tls_fp
     # It took a snapshot from a peer while the others went on, replayed the step committed meanwhile, and
     # its first round is a full member's: its stale weights never entered an average.
     assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0 and caught[0]["replayed"] >= 1, caught

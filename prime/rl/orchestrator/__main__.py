@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluations = Evaluations(orchestrator, versions, env, record)
     wake = versions.on_new  # the orchestrator's own hook: wakes leases and batches waiting for a version
     versions.on_new = lambda v: (wake(v), evaluations.todo.put(v) if v % config.eval_every == 0 else None)
-    check = TokenCheck(facts.coordinator, facts.run_id)
+    check = TokenCheck(facts.coordinator, facts.run_id, tls_fp=facts.tls_fp)
 
     def trusted(token: JoinToken) -> None:
         if not token.publish:
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "newest": versions.newest, "leases": orchestrator.leases_by_worker(),
                                              **orchestrator.totals()}}
     server = JsonServer(args.host, args.port, routes, check)
+    server.tls = member.server.tls  # where the run speaks TLS: the certificate the coordinator gave this member
     advertise = f"{args.advertise_host or '127.0.0.1'}:{server.port}"
     server.start()
     staging = args.run_dir / "address.tmp"
