@@ -26,13 +26,18 @@ def new_policy(out: Path, seed: int = 0, calibrate_args: list[str] | None = None
     from prime.rl.policy import new_digit_policy
 
     new_digit_policy(out, seed=seed)
-    args = calibrate_args if calibrate_args is not None else [
+    return calibrate(out, calibrate_args)
+
+
+def calibrate(policy: Path, args: list[str] | None = None) -> Path:
+    """Measures TOPLOC thresholds on a local HF policy directory (writes its toploc.json), as the demo does."""
+    args = args if args is not None else [
         "--threads", "1", "--batch-sizes", "1,8,32", "--rollouts", "64", "--max-tokens", "16", "--margin", "16"]
-    done = subprocess.run([sys.executable, "-m", "prime.verify.calibrate", "--model", str(out), *args], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "prime.verify.calibrate", "--model", str(policy), *args], cwd=REPO,
                           env=child_env(), capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"calibrating {out} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return out
+        raise RuntimeError(f"calibrating {policy} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return policy
 
 
 class RLCluster:
@@ -63,11 +68,11 @@ class RLCluster:
         self.procs[name] = proc
         return proc
 
-    def token(self, name: str, publish: bool = False) -> Path:
+    def token(self, name: str, publish: bool = False, role: str = "worker") -> Path:
         """The token file of a role (made once per name, so a restarted process presents the same token)."""
         path = self.run_dir / f"{name}.token"
         if name not in self.tokens:
-            self.tokens[name] = make_token(self.state_dir, WEEK_S, role="worker", publish=publish)
+            self.tokens[name] = make_token(self.state_dir, WEEK_S, role=role, publish=publish)
             path.write_text(self.tokens[name])
         return path
 

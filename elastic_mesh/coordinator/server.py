@@ -25,7 +25,7 @@ from elastic_mesh.coordinator.core import Coordinator
 
 log = logging.getLogger(__name__)
 
-_DASHBOARD = Path(__file__).parent / "dashboard"
+DASHBOARD_DIR = Path(__file__).parent / "dashboard"  # also the charts and style of prime.rl's page
 # Served from the package, nothing else: no path from the request ever reaches the file system.
 DASHBOARD_FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -64,7 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
         if page is not None:
             # The page itself holds no data; what it shows comes from /status and /v1/history, which check
             # the token the page sends (taken from the URL's #fragment, which never reaches a server).
-            return self._send(200, page[1], (_DASHBOARD / page[0]).read_bytes())
+            return self._send(200, page[1], (DASHBOARD_DIR / page[0]).read_bytes())
         if url.path.rstrip("/") not in ("/status", "/v1/status", "/v1/history"):
             return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
         coordinator = self.server.coordinator

@@ -46,13 +46,13 @@ def trial(sources: int, args, corpus: Path) -> dict:
             subprocess.run(["taskset", "-a", "-p", "-c", "1", str(wan._emulator.pid)], check=True,
                            capture_output=True)
         with LocalCluster(Path(tmp), "configs/debug.toml", overrides, wan=wan,
-                          coordinator_args=["--lease-s", "10", "--min-wait-s", "5"]) as c:
+                          coordinator_args=["--lease-s", "10", "--min-wait-s", "5", "--tls", args.tls]) as c:
             c.start_coordinator(start_nodes=sources)
             for name in names:
                 c.start_node(name, cpus="0")
             wait_for(lambda: len(c.outer_records(names[0])) >= 3, 600, "three outer steps")
             started = time.time()
-            c.start_node("joiner", cpus="1")
+            c.start_node("joiner", ["--diloco.take_peer_moments", str(args.moments == "peers").lower()], cpus="1")
             caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
             first = wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step")
             # Its first two rounds as a member: the loss right after joining, against the others'.
@@ -61,6 +61,7 @@ def trial(sources: int, args, corpus: Path) -> dict:
             catch_ups = [r for r in c.metrics("joiner") if "caught_up_to" in r]
             log = c.log("joiner")
             steps = [r for r in c.metrics(names[0]) if "loss" in r]
+            sources_loss = [{r["step"]: r["loss"] for r in c.metrics(n) if "loss" in r} for n in names]
             c.stop()
         backend = wan.backend
     admitted = _admitted_time(log, started)
@@ -75,7 +76,11 @@ def trial(sources: int, args, corpus: Path) -> dict:
     window = [s for s in sorted(joiner_loss) if s in others_loss][:20]  # two rounds of H=10 inner steps
     loss_ratio = (statistics.mean(joiner_loss[s] for s in window) / statistics.mean(others_loss[s] for s in window)
                   if window else float("nan"))
-    return {"loss_ratio": loss_ratio, "moments_step": caught.get("moments_step"),
+    # The same measure between the sources themselves (same model, each its own data): how far apart two
+    # members' losses are anyway, the yardstick for the joiner's.
+    means = [statistics.mean(losses[s] for s in window) for losses in sources_loss if all(s in losses for s in window)]
+    spread = max(means) / min(means) if len(means) > 1 and window else float("nan")
+    return {"loss_ratio": loss_ratio, "sources_spread": spread, "moments_step": caught.get("moments_step"),
             "snapshot_step": caught["caught_up_to"] - caught["replayed"],"sources": sources, "backend": backend, "snapshot_mb": bytes_ / 1e6, "download_s": caught["download_s"],
             "ideal_download_s": ideal_download, "catch_up_s": caught["catch_up_s"],
             "first_contribution_s": first[first_step]["time"] - admitted, "replayed": caught["replayed"],
@@ -107,25 +112,33 @@ def main() -> int:
     parser.add_argument("--mode", choices=["blocking", "delayed", "streaming"], default="blocking",
                         help="diloco.mode of every node")
     parser.add_argument("--fragments", type=int, default=5, help="diloco.fragments (streaming)")
+    parser.add_argument("--tls", choices=["auto", "on", "off"], default="auto",
+                        help="the coordinator's --tls (auto: on, the emulated hosts are not loopback)")
+    parser.add_argument("--moments", choices=["peers", "fresh"], default="peers",
+                        help="the joiner takes its peers' AdamW moments (diloco.take_peer_moments) or starts empty")
+    parser.add_argument("--repeats", type=int, default=1, help="trials per number of sources")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each trial's run directory (logs, metrics) under DIR")
     args = parser.parse_args()
     corpus = prepare()
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-    rows = [trial(s, args, corpus) for s in args.sources]
+    rows = [trial(s, args, corpus) for s in args.sources for _ in range(args.repeats)]
     print(f"join over links of {args.up_mbit:g} Mbit/s up per source, {args.down_mbit:g} Mbit/s down at the joiner, "
-          f"{args.latency_ms:g} ms one way, mode {args.mode} (backend {rows[0]['backend']})")
+          f"{args.latency_ms:g} ms one way, mode {args.mode} (backend {rows[0]['backend']}), TLS {args.tls}, "
+          f"joiner's moments: {args.moments}")
     print(f"{'sources':>7} {'snapshot MB':>11} {'download s':>10} {'at link rate s':>14} {'catch-up s':>10} "
           f"{'first contribution s':>20} {'replayed':>8} {'left out':>8} {'catch-ups':>9} "
-          f"{'others tok/s during/before':>26} {'moments/snapshot step':>21} {'loss after join / others':>24}")
+          f"{'others tok/s during/before':>26} {'moments/snapshot step':>21} {'loss after join / others':>24} "
+          f"{'sources max/min':>15}")
     for r in rows:
         print(f"{r['sources']:>7} {r['snapshot_mb']:>11.1f} {r['download_s']:>10.2f} {r['ideal_download_s']:>14.2f} "
               f"{r['catch_up_s']:>10.2f} {r['first_contribution_s']:>20.1f} {r['replayed']:>8} "
               f"{r['left_out']:>8} {r['catch_ups']:>9} {r['others_ratio']:>26.3f} "
-              f"{str(r['moments_step']) + '/' + str(r['snapshot_step']):>21} {r['loss_ratio']:>24.3f}")
+              f"{str(r['moments_step']) + '/' + str(r['snapshot_step']):>21} {r['loss_ratio']:>24.3f} "
+              f"{r['sources_spread']:>15.3f}")
     print("catch-up = download + wait for the round in flight to commit + replay; times from the joiner's admission; "
           "loss after join: the joiner's mean loss over its first 20 inner steps as a member / a source's at the same "
-          "steps")
+          "steps; sources max/min: the same measure between the sources' own losses")
     return 0
 
 

@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Callable
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
@@ -32,20 +33,24 @@ class Refused(Exception):
 
 
 class TokenCheck:
-    """Confirms bearer tokens with the run's coordinator; answers the token's (signed) facts."""
+    """Confirms bearer tokens with the run's coordinator; answers the token's (signed) facts.
+
+    Work (leases, rollouts, batches) needs a token the coordinator would let take part in a broadcast
+    (node or worker role, not revoked); reading (the dashboard) any token that may read the run's status,
+    observer tokens included."""
 
     def __init__(self, coordinator: str, run_id: str, recheck_s: float = 30.0, tls_fp: str = "") -> None:
         """tls_fp: the coordinator's certificate as this process's own token names it (never a caller's)."""
         self.coordinator, self.run_id, self.recheck_s, self.tls_fp = coordinator, run_id, recheck_s, tls_fp
-        self._cache: dict[str, tuple[JoinToken, float]] = {}
+        self._cache: dict[tuple[str, bool], tuple[JoinToken, float]] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, authorization: str) -> JoinToken:
+    def __call__(self, authorization: str, read_only: bool = False) -> JoinToken:
         if not authorization.startswith("Bearer "):
             raise Refused(401, "no token: send the run token this process was given as 'Authorization: Bearer'")
         text = authorization[7:].strip()
         with self._lock:
-            cached = self._cache.get(text)
+            cached = self._cache.get((text, read_only))
         if cached and time.monotonic() < cached[1]:
             return cached[0]
         try:
@@ -54,7 +59,7 @@ class TokenCheck:
             raise Refused(403, f"malformed token: {e}") from None
         client = CoordinatorClient(self.coordinator, request_timeout_s=10, retry_s=10, bearer=text, tls_fp=self.tls_fp)
         try:
-            hello = client.post("/v1/broadcast/hello", {})
+            hello = client.get_status(text) if read_only else client.post("/v1/broadcast/hello", {})
         except CoordinatorError as e:
             raise Refused(403 if e.status and e.status < 500 else 503, f"the coordinator did not confirm this token: {e}") from None
         finally:
@@ -64,7 +69,7 @@ class TokenCheck:
         with self._lock:
             if len(self._cache) > 4096:
                 self._cache.clear()
-            self._cache[text] = (token, time.monotonic() + self.recheck_s)
+            self._cache[(text, read_only)] = (token, time.monotonic() + self.recheck_s)
         return token
 
 
@@ -72,16 +77,20 @@ Route = Callable[[JoinToken, dict], dict]
 
 
 class JsonServer(ThreadingHTTPServer):
-    """POST-only JSON endpoints: routes[path](token, body) -> answer; Refused -> its status."""
+    """JSON endpoints: routes[path](token, body) -> answer; Refused -> its status. Routes in `read_only`
+    accept any token that may read the run's status. GET serves `pages` (path -> (file, content type)):
+    fixed files that hold no data, so no path from a request reaches the file system."""
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route], check: Callable[[str], JoinToken],
-                 max_request_bytes: int = 64 << 20) -> None:
+    def __init__(self, host: str, port: int, routes: dict[str, Route], check: Callable[..., JoinToken],
+                 max_request_bytes: int = 64 << 20, read_only: frozenset[str] = frozenset(),
+                 pages: dict[str, tuple[Path, str]] | None = None) -> None:
         super().__init__((host, port), _Handler)
         self.routes, self.check, self.max_request_bytes = routes, check, max_request_bytes
+        self.read_only, self.pages = read_only, dict(pages or {})
         self.tls: ssl.SSLContext | None = None  # set before start() where the run speaks TLS (control/tls.py)
 
     def get_request(self):
@@ -118,6 +127,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self):
+        page = self.server.pages.get(self.path.split("?", 1)[0].split("#", 1)[0])
+        if page is None:
+            return self._reply(404, {"error": f"no such page {self.path[:100]}"})
+        data = page[0].read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", page[1])
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self):
         try:
             length = int(self.headers.get("Content-Length", "0"))
@@ -134,7 +155,10 @@ class _Handler(BaseHTTPRequestHandler):
             route = self.server.routes.get(self.path)
             if route is None:
                 return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
-            self._reply(200, route(self.server.check(self.headers.get("Authorization", "")), body))
+            authorization = self.headers.get("Authorization", "")
+            token = (self.server.check(authorization, read_only=True) if self.path in self.server.read_only
+                     else self.server.check(authorization))
+            self._reply(200, route(token, body))
         except Refused as e:
             self._reply(e.status, {"error": str(e)})
         except (ValueError, KeyError, TypeError) as e:

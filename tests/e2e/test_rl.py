@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 
-from elastic_mesh.control.client import CoordinatorClient
+import pytest
+
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from elastic_mesh.control.token import read_token
 from launch.cluster import wait_for
 from launch.rl_cluster import RLCluster, new_policy
+from tests.e2e.test_dashboard import canvas_points, render
 
 MAX_STEPS = 24
 
 
-def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path):
+def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path, chromium):
     policy = new_policy(tmp_path / "policy")  # thresholds measured as the demo measures them
     cluster = RLCluster(tmp_path / "run", policy, orchestrator_sets=[
         "prompts_per_step=8", "prompts_per_lease=2", "lease_s=4", "eval_every=8", "poll_s=2", "async_level=1"],
@@ -36,13 +39,26 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
         killed_at = status.post("/v1/rl/status", {})["next_step"]
         cluster.start_worker("worker-b")  # joins mid-run: must get the current version by broadcast
         wait_for(lambda: status.post("/v1/rl/status", {})["next_step"] >= killed_at + 4, 180, "progress after the kill")
+        # The dashboard, as an operator opens it with an observer token: each worker's verdicts, the charts.
+        observer = cluster.token("observer", role="observer").read_text()
+        board = CoordinatorClient(cluster.orchestrator_address, retry_s=30, bearer=observer).post("/v1/rl/dashboard", {})
+        workers = {w["worker"]: w for w in board["workers"]}
+        rogue = read_token(cluster.tokens["rogue"]).token_id
+        assert workers[rogue]["evicted"] and workers[rogue]["rejected"] >= 16, workers
+        assert workers[worker_a]["verified"] > 0 and workers[worker_a]["expired"] >= 1, workers
+        assert [e["step"] for e in board["events"] if e["event"] == "batch"][:3] == [0, 1, 2], board["events"][:5]
+        with pytest.raises(CoordinatorError, match="observer"):  # it reads; it cannot take work
+            CoordinatorClient(cluster.orchestrator_address, retry_s=5, bearer=observer).post(
+                "/v1/rl/lease", {"held": 0}, retry=False)
+        dom = render(chromium, f"http://{cluster.orchestrator_address}/#token={observer}")
+        assert rogue in dom and "evicted" in dom, dom[:3000]
+        assert canvas_points(dom, "reward-chart") > 0 and canvas_points(dom, "staleness-chart") > 0
         cluster.kill("trainer")
         cluster.start_trainer()  # the same command: resumes from its checkpoint
         assert cluster.wait("orchestrator", 240) == 0, cluster.log("orchestrator")
         assert cluster.wait("worker-b", 60) == 0
     summary = cluster.summary()
     batches = cluster.events("batch")
-    rogue = read_token(cluster.tokens["rogue"]).token_id
     assert summary["versions"] == MAX_STEPS and [b["step"] for b in batches] == list(range(MAX_STEPS))
     numbers = [n for b in batches for n in b["prompt_numbers"]]
     assert len(numbers) == len(set(numbers)) == 8 * MAX_STEPS  # no prompt in two batches (or twice in one)

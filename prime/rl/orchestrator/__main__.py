@@ -2,8 +2,9 @@
 
     python -m prime.rl.orchestrator --token-file orch.token --run-dir runs/rl/orchestrator [--set async_level=2]
 
-It follows the policy broadcast with its token (any role), serves workers and the trainer on --port, and
-writes metrics.jsonl (batches, evals, evictions) and, when the trainer finishes, summary.json.
+It follows the policy broadcast with its token (any role), serves workers and the trainer on --port, serves
+a dashboard at / to any token of the run (rollouts/s, reward, staleness, each worker's verified and rejected
+rollouts), and writes metrics.jsonl (batches, evals, evictions) and, when the trainer finishes, summary.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from prime.rl.environments import build_environment
 from prime.rl.loop import evaluate
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
+from prime.rl.orchestrator.dashboard import PAGES, RunHistory, dashboard_answer
+from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
 from prime.rl.orchestrator.versions import PolicyVersions
 from prime.rl.policy_transport import POLICY_KIND
 from prime.rl.service import JsonServer, Refused, TokenCheck
@@ -50,10 +53,12 @@ class Evaluations:
 
     def evaluate(self, version: int) -> dict | None:
         try:
-            model = self.versions.model(version)
+            model, proof = self.versions.model(version), self.versions.verifier(version).thresholds.proof
         except KeyError:
             return None
-        engine = HFEngine(model, pad_id=self.versions.tokenizer.pad_token_id)
+        # The proofs go unused here, but an engine builds them with the shape the policy was calibrated for
+        # (the default top-k may exceed a small model's width).
+        engine = HFEngine(model, pad_id=self.versions.tokenizer.pad_token_id, proof=proof)
         reward = evaluate(engine, self.env, self.versions.tokenizer, self.tasks, self.orchestrator.config.max_tokens)
         result = {"event": "eval", "version": version, "time_s": self.orchestrator.elapsed(), "eval_reward": reward}
         self.results.append(result)
@@ -89,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (args.run_dir / "metrics.jsonl").open("a")
     metrics_lock = threading.Lock()
+    history = RunHistory()
 
     def record(event: dict) -> None:
         with metrics_lock:
             metrics.write(json.dumps(event) + "\n")
             metrics.flush()
+        history.add(event)
 
     member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
                              BroadcastSettings(keep=config.async_level + 2, advertise_host=args.advertise_host))
@@ -136,16 +143,18 @@ def main(argv: list[str] | None = None) -> int:
               "/v1/rl/finish": finish,
               "/v1/rl/status": lambda t, b: {"status": "ok", "next_step": orchestrator.next_step,
                                              "newest": versions.newest, "leases": orchestrator.leases_by_worker(),
-                                             **orchestrator.totals()}}
-    server = JsonServer(args.host, args.port, routes, check)
+                                             **orchestrator.totals()},
+              DASHBOARD: lambda t, b: dashboard_answer(orchestrator, history, b)}
+    server = JsonServer(args.host, args.port, routes, check, read_only=frozenset({DASHBOARD}), pages=PAGES)
     server.tls = member.server.tls  # where the run speaks TLS: the certificate the coordinator gave this member
     advertise = f"{args.advertise_host or '127.0.0.1'}:{server.port}"
     server.start()
     staging = args.run_dir / "address.tmp"
     staging.write_text(advertise)
     staging.replace(args.run_dir / "address")
-    log.info("orchestrator serving at %s (async level %d, %d prompts x %d samples per step)", advertise,
-             config.async_level, config.prompts_per_step, config.group_size)
+    log.info("orchestrator serving at %s (async level %d, %d prompts x %d samples per step); dashboard: "
+             "%s://%s/#token=<an observer token of the run>", advertise, config.async_level, config.prompts_per_step,
+             config.group_size, "https" if server.tls else "http", advertise)
     threading.Thread(target=versions.follow, daemon=True).start()
     threading.Thread(target=_expire_leases, args=(orchestrator,), daemon=True, name="lease-expiry").start()
     try:

@@ -72,6 +72,19 @@ class Group:
 
 
 @dataclass
+class WorkerStats:
+    """One worker token's record, for the dashboard: what it did and how it was judged."""
+
+    leases: int = 0       # leases granted
+    verified: int = 0     # rollouts that passed verification and were scored
+    rejected: int = 0     # rollouts refused (failed verification, malformed, or dropped at its eviction)
+    stale: int = 0        # rollouts that came back from a version too old to use
+    expired: int = 0      # leases it did not return in time
+    verify_s: float = 0.0  # the orchestrator's time spent verifying its rollouts
+    last_seen_s: float = 0.0  # run time of its last lease or submission
+
+
+@dataclass
 class Counters:
     rollouts_accepted: int = 0
     rollouts_rejected: int = 0
@@ -80,6 +93,10 @@ class Counters:
     leases_expired: int = 0
     workers_evicted: int = 0
     evicted: dict[str, str] = field(default_factory=dict)
+    workers: dict[str, WorkerStats] = field(default_factory=dict)
+
+    def of(self, worker: str) -> WorkerStats:
+        return self.workers.setdefault(worker, WorkerStats())
 
 
 class Orchestrator:
@@ -119,6 +136,7 @@ class Orchestrator:
     def lease(self, worker: str, held: int) -> dict:
         give_up = time.monotonic() + self.config.poll_s
         with self.changed:
+            self.counters.of(worker).last_seen_s = self.elapsed()
             while True:
                 self._refuse_evicted(worker)
                 self.expire()
@@ -152,6 +170,7 @@ class Orchestrator:
         lease = Lease(f"{worker}-{next(self._numbers)}", worker, version, prompts, seeds,
                       time.monotonic() + self.config.lease_s)
         self.leases[lease.lease_id] = lease
+        self.counters.of(worker).leases += 1
         return {"status": "ok", "lease": lease.lease_id, "version": version, "lease_s": self.config.lease_s,
                 "sampling": self.sampling.model_dump(),
                 "requests": [{"prompt": p.tokens, "seed": s} for p, group in zip(prompts, seeds) for s in group]}
@@ -175,6 +194,7 @@ class Orchestrator:
             # Latest first: each goes to the front of the queue, so the oldest prompts are handed out first.
             for lease in sorted((x for x in self.leases.values() if x.deadline < now), key=lambda x: -x.deadline):
                 self.counters.leases_expired += 1
+                self.counters.of(lease.worker).expired += 1
                 self._release(lease, f"not returned within {self.config.lease_s:.0f} s")
 
     def _refuse_evicted(self, worker: str) -> None:
@@ -184,6 +204,7 @@ class Orchestrator:
     # ---- rollouts ------------------------------------------------------------------------------------
     def submit(self, worker: str, body: dict) -> dict:
         with self.lock:
+            self.counters.of(worker).last_seen_s = self.elapsed()
             self._refuse_evicted(worker)
             self.expire()
             lease = self.leases.get(str(body.get("lease", "")))
@@ -209,6 +230,8 @@ class Orchestrator:
         started = time.perf_counter()
         verdicts = verifier.verify(claims)
         verify_s = time.perf_counter() - started
+        with self.lock:
+            self.counters.of(worker).verify_s += verify_s
         rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
         if rejected:
             i, verdict = rejected[0]
@@ -226,12 +249,14 @@ class Orchestrator:
                 return self._stale(lease, expected)
             self.ready.extend(groups)
             self.counters.rollouts_accepted += expected
+            self.counters.of(worker).verified += expected
             self.changed.notify_all()
         return {"status": "accepted", "rollouts": expected, "verify_s": round(verify_s, 4)}
 
     def _stale(self, lease: Lease, rollouts: int) -> dict:
         with self.changed:
             self.counters.rollouts_stale += rollouts
+            self.counters.of(lease.worker).stale += rollouts
             self._returned.extendleft(reversed(lease.prompts))
             self.changed.notify_all()
         newest = self.versions.newest
@@ -251,6 +276,7 @@ class Orchestrator:
             dropped = [g for g in self.ready if g.worker == lease.worker]
             self.ready = [g for g in self.ready if g.worker != lease.worker]
             self.counters.rollouts_rejected += sum(len(g.completions) for g in dropped)
+            self.counters.of(lease.worker).rejected += rollouts + sum(len(g.completions) for g in dropped)
             self.changed.notify_all()
         log.warning("worker %s evicted: %s (%d rollouts rejected, %d of its unbatched groups dropped)",
                     lease.worker, why, rollouts, len(dropped))
@@ -285,6 +311,8 @@ class Orchestrator:
         if stale:
             self.ready = [g for g in self.ready if g.version >= oldest]
             self.counters.rollouts_stale += sum(len(g.completions) for g in stale)
+            for g in stale:
+                self.counters.of(g.worker).stale += len(g.completions)
             log.info("batch %d: %d groups of versions < %d dropped as stale", step, len(stale), oldest)
 
     def _build(self, step: int) -> dict:
