@@ -114,8 +114,9 @@ def main() -> int:
     parser.add_argument("--fragments", type=int, default=5, help="diloco.fragments (streaming)")
     parser.add_argument("--tls", choices=["auto", "on", "off"], default="auto",
                         help="the coordinator's --tls (auto: on, the emulated hosts are not loopback)")
-    parser.add_argument("--moments", choices=["peers", "fresh"], default="peers",
-                        help="the joiner takes its peers' AdamW moments (diloco.take_peer_moments) or starts empty")
+    parser.add_argument("--moments", choices=["peers", "fresh"], default="fresh",
+                        help="the joiner takes its peers' AdamW moments (diloco.take_peer_moments) or starts AdamW "
+                             "afresh (the default, as nodes do)")
     parser.add_argument("--repeats", type=int, default=1, help="trials per number of sources")
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each trial's run directory (logs, metrics) under DIR")
     args = parser.parse_args()

@@ -59,9 +59,12 @@ class DilocoConfig(BaseModel):
         600.0, gt=0, description="A node that is behind keeps trying to catch up from its peers this long before it "
                                  "stops with an error (no live node holds the run's newest step).")
     take_peer_moments: bool = Field(
-        True, description="A node that fetches a whole snapshot (a joiner) also takes its peers' AdamW moments "
-                          "(as many bytes again, chunks from all sources, while the round in flight runs) instead "
-                          "of starting its inner steps with empty ones.")
+        False, description="A node that fetches a whole snapshot (a joiner) also takes its peers' AdamW moments "
+                           "(as many bytes again, chunks from all sources, while the round in flight runs) instead "
+                           "of starting AdamW afresh (its own bias correction from step 0). Off: in launch/bench/"
+                           "join.py (3 sources, 20 Mbit/s) peers' moments made joiners contribute 2 rounds later "
+                           "(60 s against 31 s) and their loss 3-7% further above the others' than the sources "
+                           "differ among themselves; fresh moments stayed inside that spread.")
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")

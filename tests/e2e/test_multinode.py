@@ -156,7 +156,8 @@ def join_midway(tmp_path, corpus, steps: int, after: int, extra=(), coordinator=
 def test_a_node_joins_a_running_job(tmp_path, corpus):
     # Over TLS, as across machines (auto mode keeps loopback plain): the control plane, every local rank's
     # snapshot server and the joiner's download all speak it; the other tests here cover plain HTTP.
-    c, late, caught, events = join_midway(tmp_path, corpus, steps=100, after=2, coordinator=["--tls", "on"])
+    c, late, caught, events = join_midway(tmp_path, corpus, steps=100, after=2, coordinator=["--tls", "on"],
+                                          extra=["--diloco.take_peer_moments", "true"])  # not the default
     assert "serving TLS with the run's certificate" in c.log("coordinator")
     assert read_token(c.node_token("late")).tls_fp
     # It took a snapshot from a peer while the others went on, replayed the step committed meanwhile, and
