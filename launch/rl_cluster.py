@@ -42,10 +42,11 @@ def calibrate(policy: Path, args: list[str] | None = None) -> Path:
 
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
-                 trainer_sets: list[str] | None = None, wan=None) -> None:
+                 trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
-        orchestrator, trainer, worker names): each process runs in its host's namespace."""
-        self.run_dir, self.policy, self.wan = Path(run_dir), Path(policy), wan
+        orchestrator, trainer, worker names): each process runs in its host's namespace. trainer_ranks:
+        local ranks of the trainer (more than 1: torchrun, FSDP2)."""
+        self.run_dir, self.policy, self.wan, self.trainer_ranks = Path(run_dir), Path(policy), wan, trainer_ranks
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
@@ -92,17 +93,22 @@ class RLCluster:
         wait_for(lambda: address.exists() or self._died("coordinator"), 60, "the coordinator's address")
 
     def start_orchestrator(self) -> None:
+        """Starts it; again, on the same port and run directory, if it ran before (it continues the run)."""
         address = self.run_dir / "orchestrator" / "address"
         address.unlink(missing_ok=True)
+        port = self.orchestrator_address.rsplit(":", 1)[1] if self.orchestrator_address else "0"
         self.spawn("orchestrator", [sys.executable, "-m", "prime.rl.orchestrator", "--token-file",
                                     str(self.token("orchestrator")), "--run-dir", str(self.run_dir / "orchestrator"),
                                     "--host", self.host("orchestrator"), "--advertise-host", self.host("orchestrator"),
+                                    "--port", port,
                                     *[f"--set={s}" for s in self.orchestrator_sets]])
         wait_for(lambda: address.exists() or self._died("orchestrator"), 120, "the orchestrator's address")
         self.orchestrator_address = address.read_text().strip()
 
     def start_trainer(self) -> None:
-        self.spawn("trainer", [sys.executable, "-m", "prime.rl.trainer", "--token-file",
+        launcher = ([str(Path(sys.executable).parent / "torchrun"), "--standalone",
+                     f"--nproc-per-node={self.trainer_ranks}"] if self.trainer_ranks > 1 else [sys.executable])
+        self.spawn("trainer", [*launcher, "-m", "prime.rl.trainer", "--token-file",
                                str(self.token("trainer", publish=True)), "--policy", str(self.policy),
                                "--orchestrator", self.orchestrator_address, "--run-dir", str(self.run_dir / "trainer"),
                                "--advertise-host", self.host("trainer"),

@@ -6,6 +6,7 @@ process it is a one-rank group, so the trainer has a single code path.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,19 @@ def init_local_group(device_choice: str = "auto") -> LocalGroup:
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return LocalGroup(rank=rank, world_size=world, device=device)
+
+
+def broadcast_json(value: object, rank: int, world_size: int, src: int = 0) -> object:
+    """`src`'s JSON value on every local rank (as bytes over the group: nothing is unpickled)."""
+    if world_size == 1:
+        return value
+    data = json.dumps(value).encode() if rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src
+              else torch.empty(int(size), dtype=torch.uint8))
+    dist.broadcast(buffer, src=src)
+    return json.loads(buffer.numpy().tobytes().decode())
 
 
 def close_local_group() -> None:

@@ -22,11 +22,13 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _writing = threading.Lock()
 
 
-def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict) -> None:
-    """Publishes `model` as `version`, with the tokenizer and thresholds of `base_dir`."""
+def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict,
+                   weights: dict | None = None) -> None:
+    """Publishes `model` as `version`, with the tokenizer and thresholds of `base_dir`. weights: its full
+    state dict where the model itself is sharded (FSDP2)."""
     with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
         out = Path(tmp)
-        model.save_pretrained(out, safe_serialization=True)
+        model.save_pretrained(out, state_dict=weights, safe_serialization=True)
         for file in Path(base_dir).iterdir():
             if file.is_file() and file.name not in _PER_VERSION and not file.name.endswith(_WEIGHTS):
                 shutil.copy2(file, out / file.name)

@@ -7,6 +7,10 @@ Version v is the policy after v steps (v0: the policy it started from). After st
 a checkpoint (model and optimizer, DCP) before publishing version s + 1, so a trainer killed at any
 point and restarted with the same arguments resumes from its last checkpoint: it asks the orchestrator
 for the same batch again (the orchestrator keeps it) and republishes a version the coordinator lacks.
+
+Under `torchrun --nproc-per-node N` the policy is sharded with FSDP2 over the N local ranks and each
+batch split between them (prime.rl.update.sharded_update: the same step as one process); local rank 0
+alone talks to the orchestrator and the broadcast, and gathers the full weights to publish them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
 from elastic_mesh.broadcast.member import (
     BroadcastError,
@@ -29,13 +37,14 @@ from elastic_mesh.broadcast.member import (
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from prime.core.checkpoint import CheckpointStore
 from prime.core.cli import setup_logging
-from prime.core.distributed import close_local_group, init_local_group
+from prime.core.distributed import broadcast_json, close_local_group, init_local_group
 from prime.core.optim import OptimConfig, build_optimizer
+from prime.core.parallelize import parallelize
 from prime.inference.hf_engine import load_hf_policy
 from prime.rl.cli import load_config, read_token_argument
 from prime.rl.grpo import ENTROPY_BONUS, GRPOConfig
 from prime.rl.policy_transport import POLICY_KIND, publish_policy
-from prime.rl.update import Row, policy_update
+from prime.rl.update import Row, sharded_update
 from prime.verify.thresholds import ToplocThresholds
 
 log = logging.getLogger("prime.rl.trainer")
@@ -75,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     token = read_token_argument(args.token, args.token_file)
     ToplocThresholds.load(args.policy)  # workers cannot be verified without it: fail here, not in the orchestrator
     group = init_local_group("cpu")
-    if group.world_size != 1:
-        raise SystemExit("the RL trainer runs as one process for now (FSDP2 across ranks is not wired for RL)")
+    rank, world = group.rank, group.world_size
+    if rank != 0:  # one voice per trainer: the other local ranks only speak up about trouble
+        logging.getLogger().setLevel(logging.WARNING)
     torch.manual_seed(0)
     model = load_hf_policy(args.policy)
     reference = copy.deepcopy(model).eval() if config.grpo.kl_coef > 0 else None
+    model = parallelize(model, group.device, world, torch.float32, activation_checkpointing=False)
     optimizer, scheduler = build_optimizer(model, config.optim, config.max_steps)
-    store = CheckpointStore(args.run_dir / "checkpoints", keep=config.checkpoint_keep, rank=0, world_size=1)
+    store = CheckpointStore(args.run_dir / "checkpoints", keep=config.checkpoint_keep, rank=rank, world_size=world)
     step = 0
     latest = store.latest()
     if latest is not None:
@@ -89,36 +100,41 @@ def main(argv: list[str] | None = None) -> int:
         step = int(state["step"])
         scheduler.last_epoch = step
         log.info("resumed from %s: step %d", latest.name, step)
-    try:
-        member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
-                                 BroadcastSettings(keep=3, advertise_host=args.advertise_host))
-    except BroadcastError as e:
-        raise SystemExit(f"cannot join the run: {e}") from None
-    if not member.may_publish:
-        raise SystemExit("this token has no publish right: the trainer publishes the policy (token create --publish)")
+    member, orchestrator = None, None
+    if rank == 0:  # the other local ranks only compute: the batch reaches them over the local group
+        try:
+            member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
+                                     BroadcastSettings(keep=3, advertise_host=args.advertise_host))
+        except BroadcastError as e:
+            raise SystemExit(f"cannot join the run: {e}") from None
+        if not member.may_publish:
+            raise SystemExit("this token has no publish right: the trainer publishes the policy "
+                             "(token create --publish)")
+        orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
+                                         tls=member.client.tls_context())
     meta = {"orchestrator": args.orchestrator}
-    _publish_if_missing(member, step, model, args.policy, meta)
-    orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
-                                     tls=member.client.tls_context())
+    _publish_if_missing(member, step, model, args.policy, meta, rank, world)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = (args.run_dir / "metrics.jsonl").open("a")
+    metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
     try:
         while step < config.max_steps:
             waited = time.monotonic()
-            batch = _next_batch(orchestrator, step)
+            batch = broadcast_json(_next_batch(orchestrator, step) if rank == 0 else None, rank, world)
             idle_s += time.monotonic() - waited
             if batch is None:
                 log.info("the orchestrator ended the run at step %d", step)
                 break
             began = time.monotonic()
             rows = [Row(r["prompt"], r["tokens"], r["logprobs"], float(r["advantage"])) for r in batch["rows"]]
-            stats = policy_update(model, optimizer, rows, config.grpo, float(batch["temperature"]), pad_id,
-                                  config.epochs, config.max_grad_norm, reference)
+            stats = sharded_update(model, optimizer, rows, config.grpo, float(batch["temperature"]), pad_id, rank,
+                                   world, config.epochs, config.max_grad_norm, reference)
             scheduler.step()
             step += 1
             store.save(step, model, optimizer, {"step": step}, {})
-            _publish_if_missing(member, step, model, args.policy, meta)
+            _publish_if_missing(member, step, model, args.policy, meta, rank, world)
+            if rank != 0:
+                continue
             elapsed = time.monotonic() - started
             record = {"step": step, "time_s": round(elapsed, 3), "train_s": round(time.monotonic() - began, 4),
                       "idle_fraction": round(idle_s / max(elapsed, 1e-9), 4),
@@ -129,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("step %d/%d: batch reward %.3f, %d rows, staleness %.1f (max %d), idle %.0f%%", step,
                          config.max_steps, batch["stats"]["reward_mean"], len(rows), batch["stats"]["staleness_mean"],
                          batch["stats"]["staleness_max"], 100 * record["idle_fraction"])
-        orchestrator.post("/v1/rl/finish", {"version": step})
+        if rank == 0:
+            orchestrator.post("/v1/rl/finish", {"version": step})
     except CoordinatorError as e:
         raise SystemExit(f"the orchestrator refused the trainer: {e}") from None
     finally:
         store.wait()
-        member.stop()
+        if member is not None:
+            member.stop()
         close_local_group()
     log.info("trainer done: %d steps, idle %.0f%% of %.0f s", step, 100 * idle_s / max(time.monotonic() - started, 1e-9),
              time.monotonic() - started)
@@ -150,16 +168,24 @@ def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
             return None
 
 
-def _publish_if_missing(member: BroadcastMember, version: int, model, base: Path, meta: dict) -> None:
-    """Publishes `version` unless the coordinator already has it (a restarted trainer)."""
-    try:
-        newest = int(member.manifest()["version"])
-    except BroadcastError:
-        newest = -1
+def _publish_if_missing(member: BroadcastMember | None, version: int, model, base: Path, meta: dict, rank: int,
+                        world: int) -> None:
+    """Publishes `version` unless the coordinator already has it (a restarted trainer). Every local rank
+    calls it: the full weights are gathered from the shards (a collective), local rank 0 publishes."""
+    newest = -1
+    if rank == 0:
+        try:
+            newest = int(member.manifest()["version"])
+        except BroadcastError:
+            newest = -1
+    newest = broadcast_json(newest, rank, world)
     if newest >= version:
-        log.info("version %d is already published (newest %d)", version, newest)
+        if rank == 0:
+            log.info("version %d is already published (newest %d)", version, newest)
         return
-    publish_policy(member, version, model, base, meta)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        publish_policy(member, version, model, base, meta, weights)
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ def tensors(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def policy_update(model, optimizer, rows: list[Row], config: GRPOConfig, temperature: float, pad_id: int,
-                  epochs: int = 1, max_grad_norm: float = 1.0, reference=None) -> dict[str, float]:
+                  epochs: int = 1, max_grad_norm: float = 1.0, reference=None, loss_scale: float = 1.0) -> dict[str, float]:
     """`epochs` optimizer steps on `rows`; the statistics of the first pass (its ratios measure how far
     the rows' generating versions are from this one) and the clipping of the last. reference: a frozen
-    model for the KL term (config.kl_coef > 0)."""
+    model for the KL term (config.kl_coef > 0). loss_scale multiplies what is backpropagated (a rank's
+    share of a batch split over data-parallel ranks, see sharded_update)."""
     if not rows:
         return {"loss": 0.0, "rows": 0.0}
     ids, mask, old, advantages = tensors(rows, pad_id)
@@ -64,12 +65,35 @@ def policy_update(model, optimizer, rows: list[Row], config: GRPOConfig, tempera
         loss, loss_stats = grpo_loss(new, old, advantages, mask, config, reference=reference_logprobs,
                                      entropy=entropy)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * loss_scale).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         if epoch == 0:
-            stats |= loss_stats | {"loss": loss.item(), "grad_norm": grad_norm.item()}
+            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+            stats |= loss_stats | {"loss": loss.item(), "grad_norm": norm.item()}
         if epoch == epochs - 1 and epochs > 1:
             stats |= {"last_clip_fraction": loss_stats["clip_fraction"], "last_ratio_max": loss_stats["ratio_max"]}
     model.eval()
     return stats
+
+
+def sharded_update(model, optimizer, rows: list[Row], config: GRPOConfig, temperature: float, pad_id: int,
+                   rank: int, world_size: int, epochs: int = 1, max_grad_norm: float = 1.0,
+                   reference=None) -> dict[str, float]:
+    """policy_update over data-parallel ranks (FSDP2), equal to one process updating on all `rows`.
+
+    Every rank holds the whole batch and takes every world_size-th row. Its loss is a mean over its own
+    completion tokens; scaled by world_size × its tokens / all tokens, the gradients FSDP2 averages over
+    the ranks are those of the mean over all tokens, and clipping sees the same norm as one process. A
+    batch with fewer rows than ranks (but some) is left out on every rank: a rank without rows would skip
+    the collectives the others wait in."""
+    if world_size == 1:
+        return policy_update(model, optimizer, rows, config, temperature, pad_id, epochs, max_grad_norm, reference)
+    if len(rows) < world_size:
+        return {"loss": 0.0, "rows": 0.0, "skipped_rows": float(len(rows))}
+    mine = rows[rank::world_size]
+    total = sum(len(r.tokens) for r in rows)
+    scale = world_size * sum(len(r.tokens) for r in mine) / max(total, 1)
+    stats = policy_update(model, optimizer, mine, config, temperature, pad_id, epochs, max_grad_norm, reference,
+                          loss_scale=scale)
+    return {**stats, "rows": float(len(rows))}

@@ -3,7 +3,9 @@
 - data-parallel over N ranks is one rank with N× the batch by gradient accumulation (loss and gradient
   scaling, clipping of sharded gradients, the schedule);
 - with outer lr 1, no momentum and the same data, M DiLoCo replicas are one node, for any H (the outer
-  step, the inner optimizer state across rounds, the schedule across outer steps).
+  step, the inner optimizer state across rounds, the schedule across outer steps);
+- the RL trainer's policy step over N data-parallel ranks (FSDP2) is the step of one process on the
+  whole batch (its token-weighted loss scaling, clipping).
 
 (DiLoCo with H = 1 and SGD equals data-parallel SGD: test_diloco.py.)
 """
@@ -25,6 +27,7 @@ from prime.core.model import build_model
 from tests.conftest import REPO, TORCHRUN, child_env, run_train
 
 RUN = str(REPO / "tests/e2e/fixed_batches_run.py")
+RL_STEP = str(REPO / "tests/e2e/rl_sharded_update.py")
 
 
 def _fixed_batches(tmp_path, name: str, ranks: int, batch: int, micro: int, clip: float) -> dict[str, torch.Tensor]:
@@ -92,3 +95,23 @@ def test_replicas_on_the_same_data_with_a_plain_outer_step_are_one_node(tmp_path
     initial = build_model(config.model, 0).state_dict()
     _assert_same_weights(weights["node0"], weights["one"], initial)
     _assert_same_weights(weights["node1"], weights["one"], initial)
+
+
+def test_the_rl_policy_step_over_two_ranks_is_the_step_of_one_process(tmp_path):
+    from prime.inference.hf_engine import load_hf_policy
+    from prime.rl.policy import new_digit_policy
+
+    policy = new_digit_policy(tmp_path / "policy", seed=0)
+    initial = load_hf_policy(policy).state_dict()
+
+    def step(ranks: int, clip: float) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"rl-{ranks}-{clip}.pt"
+        cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", RL_STEP] if ranks > 1 else [sys.executable, RL_STEP]
+        result = subprocess.run([*cmd, str(policy), str(out), str(clip)], cwd=REPO, env=child_env(),
+                                capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return torch.load(out)
+
+    # Rows of different lengths split unevenly in tokens: a rank's share must weigh by its tokens.
+    _assert_same_weights(step(2, 1e9), step(1, 1e9), initial)  # SGD unclipped: any scaling error shows
+    _assert_same_weights(step(2, 0.05), step(1, 0.05), initial)  # clipping on sharded gradients

@@ -1,7 +1,7 @@
 """Asynchronous GRPO with real processes: coordinator, orchestrator, trainer and workers, each started
 through its command line, talking over sockets; the policy travels by broadcast and every rollout is
 verified. Faults: a worker SIGKILLed while it holds a lease, a cheating worker, a worker joining
-mid-run, the trainer SIGKILLed and restarted."""
+mid-run, the orchestrator and the trainer (2 ranks, FSDP2) each SIGKILLed and restarted."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
     policy = new_policy(tmp_path / "policy")  # thresholds measured as the demo measures them
     cluster = RLCluster(tmp_path / "run", policy, orchestrator_sets=[
         "prompts_per_step=8", "prompts_per_lease=2", "lease_s=4", "eval_every=8", "poll_s=2", "async_level=1"],
-        trainer_sets=[f"max_steps={MAX_STEPS}"])
+        trainer_sets=[f"max_steps={MAX_STEPS}"], trainer_ranks=2)  # FSDP2 over 2 local ranks (torchrun)
     with cluster:
         cluster.start([])
         # worker-a is honest but holds each lease 2 s, so it is surely mid-lease when it is killed
@@ -53,6 +53,12 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
         dom = render(chromium, f"http://{cluster.orchestrator_address}/#token={observer}")
         assert rogue in dom and "evicted" in dom, dom[:3000]
         assert canvas_points(dom, "reward-chart") > 0 and canvas_points(dom, "staleness-chart") > 0
+        # The orchestrator SIGKILLed and started again on its port and run directory: it continues the run.
+        cluster.kill("orchestrator")
+        stopped_at = json.loads((cluster.run_dir / "orchestrator" / "state.json").read_text())["next_step"]
+        cluster.start_orchestrator()
+        wait_for(lambda: status.post("/v1/rl/status", {})["next_step"] >= stopped_at + 2, 180, "progress after the restart")
+        assert "restarted (start 1 of this run)" in cluster.log("orchestrator")
         cluster.kill("trainer")
         cluster.start_trainer()  # the same command: resumes from its checkpoint
         assert cluster.wait("orchestrator", 240) == 0, cluster.log("orchestrator")

@@ -153,3 +153,44 @@ def test_malformed_submissions_evict_without_reaching_the_verifier(policy):
     body["completions"][0]["logprobs"] = ["nan"]
     with pytest.raises(Refused, match="malformed submission: logprobs"):
         orchestrator.submit("w", body)
+
+
+def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(policy):
+    import json
+
+    saved: list[dict] = []
+    orchestrator, versions, _ = _orchestrator(policy, async_level=2)
+    orchestrator.persist = lambda state: saved.append(json.loads(json.dumps(state)))  # what reaches the file
+    numbers: list[int] = []
+    texts: list[tuple] = []
+    while orchestrator.next_step < 2:
+        lease = orchestrator.lease("w1", held=0)
+        orchestrator.submit("w1", _work(orchestrator, versions, lease))
+        if len(orchestrator.ready) >= 4:
+            batch = orchestrator.batch(orchestrator.next_step)
+            numbers += batch["stats"]["prompt_numbers"]
+            texts += [tuple(r["prompt"]) for r in batch["rows"]]
+    with pytest.raises(Refused):  # an eviction is saved too
+        rogue = orchestrator.lease("rogue", held=0)
+        orchestrator.submit("rogue", _work(orchestrator, versions, rogue, tamper=answer_swap))
+    in_flight = orchestrator.lease("w1", held=0)  # leased when the orchestrator dies: skipped
+    state = saved[-1]
+
+    again, versions2, _ = _orchestrator(policy, async_level=2)
+    assert again.restore(state) == 2  # the rogue's returned prompts (w1's lease in flight took the same two)
+    assert again.start == 1 and again.next_step == 2 and again.batch(1) == json.loads(json.dumps(orchestrator.batches[1]))
+    assert again.counters.rollouts_accepted == orchestrator.counters.rollouts_accepted
+    with pytest.raises(Refused, match="evicted"):
+        again.lease("rogue", held=0)
+    assert again.submit("w1", _work(orchestrator, versions, in_flight))["status"] == "expired"  # from before
+    before, texts = set(texts), []
+    while again.next_step < 3:  # version 0 serves steps up to 0 + async level
+        lease = again.lease("w1", held=0)
+        assert lease["lease"].startswith("w1-1-"), lease["lease"]
+        assert again.submit("w1", _work(again, versions2, lease))["status"] == "accepted"
+        if len(again.ready) >= 4:
+            batch = again.batch(again.next_step)
+            numbers += batch["stats"]["prompt_numbers"]
+            texts += [tuple(r["prompt"]) for r in batch["rows"]]
+    assert len(numbers) == len(set(numbers)) == 12 and min(numbers[8:]) > max(numbers[:8])
+    assert texts and not before & set(texts)  # the task stream went on past what the first start drew

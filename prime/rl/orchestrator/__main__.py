@@ -5,6 +5,7 @@
 It follows the policy broadcast with its token (any role), serves workers and the trainer on --port, serves
 a dashboard at / to any token of the run (rollouts/s, reward, staleness, each worker's verified and rejected
 rollouts), and writes metrics.jsonl (batches, evals, evictions) and, when the trainer finishes, summary.json.
+Killed and started again with the same --run-dir and --port, it continues the run from RUN_DIR/state.json.
 """
 
 from __future__ import annotations
@@ -92,9 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     token = read_token_argument(args.token, args.token_file)
     facts = read_token(token)
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    history = RunHistory()
+    if (args.run_dir / "metrics.jsonl").exists():  # a restart: the dashboard shows the whole run
+        for line in (args.run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                history.add(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by the stop
     metrics = (args.run_dir / "metrics.jsonl").open("a")
     metrics_lock = threading.Lock()
-    history = RunHistory()
 
     def record(event: dict) -> None:
         with metrics_lock:
@@ -107,7 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     versions = PolicyVersions(member, args.run_dir / "policies", keep=config.async_level + 2,
                               verify_batch_size=config.verify_batch_size)
     env = build_environment(config.env, config.reward_terms)
-    orchestrator = Orchestrator(config, env, versions, record)
+    state_path = args.run_dir / "state.json"
+
+    def persist(state: dict) -> None:
+        staging = state_path.with_suffix(".tmp")
+        staging.write_text(json.dumps(state))
+        staging.replace(state_path)  # atomically: a stop mid-write leaves the previous state
+
+    orchestrator = Orchestrator(config, env, versions, record, persist)
+    if state_path.exists():
+        skipped = orchestrator.restore(json.loads(state_path.read_text()))
+        log.info("restarted (start %d of this run) at trainer step %d; %d prompts that were in flight at the stop "
+                 "are skipped, none is used twice; %d workers stay evicted", orchestrator.start,
+                 orchestrator.next_step, skipped, len(orchestrator.counters.evicted))
     evaluations = Evaluations(orchestrator, versions, env, record)
     wake = versions.on_new  # the orchestrator's own hook: wakes leases and batches waiting for a version
     versions.on_new = lambda v: (wake(v), evaluations.todo.put(v) if v % config.eval_every == 0 else None)

@@ -14,6 +14,12 @@
   go back, its unbatched groups are dropped) and every later request of that token is refused.
 - **Rewards and advantages** are computed here with the task's own verifier; a worker's word about its
   rollout's quality is never asked for.
+- **Restarts.** `state()` is what a restarted orchestrator needs, handed to `persist` whenever a batch is
+  built, a worker is evicted or the run ends: the next step and the last two batches (a restarted
+  trainer asks again), how far the task stream was read, the counters (evictions stay in force) and
+  which start this is. `restore()` takes it back. Prompts leased or scored but not yet in a batch at the
+  stop are skipped, never used twice; lease ids carry the start, so a lease from before can never
+  match one from after.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -101,12 +107,15 @@ class Counters:
 
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, env: Environment, versions: PolicyVersions,
-                 record=lambda event: None) -> None:
-        self.config, self.env, self.versions, self.record = config, env, versions, record
+                 record=lambda event: None, persist=lambda state: None) -> None:
+        self.config, self.env, self.versions, self.record, self.persist = config, env, versions, record, persist
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
         self.grpo = GRPOConfig(group_size=config.group_size, std_epsilon=config.std_epsilon)
         self._tasks = env.tasks("train", config.seed)
+        self._drawn = 0  # tasks read from the stream
+        self._batched = 0  # prompts that entered a batch (filtered groups included)
         self._numbers = itertools.count()
+        self.start = 0  # how many times this run's orchestrator started before this one
         self._seeds = random.Random(f"{config.seed}-seeds")
         self._returned: deque[Prompt] = deque()
         self.leases: dict[str, Lease] = {}
@@ -167,7 +176,7 @@ class Orchestrator:
         count = min(self.config.prompts_per_lease, self._wanted(version))
         prompts = [self._next_prompt() for _ in range(count)]
         seeds = [[self._seeds.getrandbits(63) for _ in range(self.config.group_size)] for _ in prompts]
-        lease = Lease(f"{worker}-{next(self._numbers)}", worker, version, prompts, seeds,
+        lease = Lease(f"{worker}-{self.start}-{next(self._numbers)}", worker, version, prompts, seeds,
                       time.monotonic() + self.config.lease_s)
         self.leases[lease.lease_id] = lease
         self.counters.of(worker).leases += 1
@@ -179,6 +188,7 @@ class Orchestrator:
         if self._returned:
             return self._returned.popleft()
         task = next(self._tasks)
+        self._drawn += 1
         return Prompt(next(self._numbers), task, self.versions.tokenize(task.prompt))
 
     def _release(self, lease: Lease, why: str) -> None:
@@ -281,6 +291,8 @@ class Orchestrator:
         log.warning("worker %s evicted: %s (%d rollouts rejected, %d of its unbatched groups dropped)",
                     lease.worker, why, rollouts, len(dropped))
         self.record({"event": "evicted", "worker": lease.worker, "reason": why[:300], "time_s": self.elapsed()})
+        with self.lock:
+            self.persist(self.state())
         raise Refused(403, f"evicted: {why}")
 
     # ---- batches -------------------------------------------------------------------------------------
@@ -318,6 +330,7 @@ class Orchestrator:
     def _build(self, step: int) -> dict:
         self.ready.sort(key=lambda g: (g.version, g.prompt.number))  # oldest first: the first to go stale
         taken, self.ready = self.ready[:self.config.prompts_per_step], self.ready[self.config.prompts_per_step:]
+        self._batched += len(taken)
         rewards = torch.tensor([g.rewards for g in taken])
         advantages, varied = group_advantages(rewards, self.grpo)
         keep = self._keep(rewards, varied)
@@ -338,6 +351,7 @@ class Orchestrator:
         for old in [s for s in self.batches if s < step - 1]:
             del self.batches[old]
         self.next_step = step + 1
+        self.persist(self.state())  # before the trainer can see the batch: a restart serves it again
         self.changed.notify_all()
         workers: dict[str, int] = {}
         for g in taken:
@@ -360,9 +374,40 @@ class Orchestrator:
         with self.changed:
             self.final_version = max(self.final_version, version)
             self.done = True
+            self.persist(self.state())
             self.changed.notify_all()
         log.info("the trainer finished at version %d", version)
         return {"status": "ok"}
+
+    # ---- restarts ------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a restarted orchestrator needs (JSON); call with the lock held."""
+        c = self.counters
+        return {"start": self.start, "next_step": self.next_step, "batches": self.batches, "drawn": self._drawn,
+                "batched": self._batched, "next_number": next(self._numbers), "elapsed_s": self.elapsed(),
+                "done": self.done,
+                "final_version": self.final_version,
+                "counters": {**self.totals(), "evicted": dict(c.evicted),
+                             "workers": {w: asdict(s) for w, s in c.workers.items()}}}
+
+    def restore(self, state: dict) -> int:
+        """Continues from `state()` of an earlier start; returns the prompts it skips (in flight at the stop)."""
+        with self.lock:
+            self.start = int(state["start"]) + 1
+            self.next_step = int(state["next_step"])
+            self.batches = {int(step): batch for step, batch in state["batches"].items()}
+            self.used_numbers = {n for b in self.batches.values() for n in b["stats"]["prompt_numbers"]}
+            self._drawn, self._batched = int(state["drawn"]), int(state["batched"])
+            for _ in range(self._drawn):  # the stream is deterministic: read past what the last start drew
+                next(self._tasks)
+            self._numbers = itertools.count(int(state["next_number"]))
+            self._seeds = random.Random(f"{self.config.seed}-seeds-{self.start}")  # no seed handed out twice
+            self.started = time.monotonic() - float(state["elapsed_s"])
+            self.done, self.final_version = bool(state["done"]), int(state["final_version"])
+            saved = state["counters"]
+            self.counters = Counters(**{k: saved[k] for k in self.totals()}, evicted=dict(saved["evicted"]),
+                                     workers={w: WorkerStats(**s) for w, s in saved["workers"].items()})
+            return self._drawn - self._batched
 
     def totals(self) -> dict:
         c = self.counters
