@@ -69,7 +69,10 @@ class HeldPolicy:
 
     def fetch(self, version: int) -> None:
         started = time.monotonic()
-        directory = fetch_policy(self.member, self.member.manifest(version), self.root)
+        try:
+            directory = fetch_policy(self.member, self.member.manifest(version), self.root)
+        except FileNotFoundError:  # the follower loaded two newer ones meanwhile, and retired this one
+            raise BroadcastError(f"version {version} was retired while it was written (newer ones arrived)") from None
         self.load(directory, version, time.monotonic() - started)
 
     def follow(self) -> None:
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 _write_stats(args.work_dir, rollouts, elapsed, busy_s)
                 return EXIT_DONE
             if status == "fetch":
+                if held.version >= int(answer["version"]):  # the orchestrator has not seen what the follower loaded
+                    continue  # the next lease names the newer version; the orchestrator waits for it too
                 log.info("told to fetch version %d (holding %d)", answer["version"], held.version)
                 try:
                     held.fetch(int(answer["version"]))
