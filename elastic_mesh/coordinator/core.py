@@ -106,6 +106,10 @@ class Coordinator:
     def join(self, body: dict, peer: str = "") -> dict:
         if self.authority is None:
             return self.admission.join(body, peer)
+        try:  # a forged or foreign token hears that first, as it would without TLS
+            verify_token(self.secret, self.run_id, str(body.get("token", "")))
+        except TokenError as e:
+            raise Refused(403, str(e)) from None
         # The run speaks TLS: every server of the node must too, with a certificate peers will trust.
         if not body.get("tls_public_keys"):
             raise Refused(400, "this coordinator serves TLS, so a node must send its servers' public keys "

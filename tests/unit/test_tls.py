@@ -29,7 +29,7 @@ from elastic_mesh.control.tls import (
     client_context,
     pinned_ca,
 )
-from elastic_mesh.control.token import read_token
+from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import is_loopback, make_token, start_coordinator
 from elastic_mesh.transfer.chunks import TransferError, lay_out
@@ -116,6 +116,10 @@ def test_a_node_that_sends_no_keys_is_told_why(coordinator, tmp_path):
         client.join(token, name="old", **FACTS)
     with pytest.raises(CoordinatorError, match="PEM public key"):
         client.join(token, name="bad", **{**FACTS, "tls_public_keys": ["not a key"]})
+    forged = create_token(b"x" * 32, f"127.0.0.1:{coordinator.port}", read_token(token).run_id, 60)
+    with pytest.raises(CoordinatorError) as refused:  # the token is judged first, keys or not
+        client.join(forged, name="forger", **FACTS)
+    assert refused.value.status == 403
 
 
 def test_nothing_secret_crosses_the_path_in_clear(tmp_path):
