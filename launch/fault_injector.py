@@ -70,6 +70,16 @@ def hostile(host: str, port: int, seed: int) -> None:
             pass
 
 
+def hostile_all(targets: list[tuple[str, int]], seed: int) -> None:
+    """hostile() against every (host, port) at once: a port that keeps the connection open costs its
+    timeouts in parallel with the others, not after them."""
+    threads = [threading.Thread(target=hostile, args=(host, port, seed)) for host, port in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 class FaultInjector:
     def __init__(self, cluster, wan=None, seed: int = 0) -> None:
         self.cluster, self.wan = cluster, wan
@@ -252,15 +262,11 @@ class FaultInjector:
         ports = sorted(listening_ports(pids))
         seed = self.rng.randrange(1 << 30)
         if self.wan is None:
-            threads = [threading.Thread(target=hostile, args=("127.0.0.1", port, seed)) for port in ports]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            hostile_all([("127.0.0.1", port) for port in ports], seed)
         else:  # from inside the coordinator's namespace, to each host's address
             targets = [(self.wan.address(h), p) for h in self.wan.hosts for p in ports]
-            code = ("import sys, json; from launch.fault_injector import hostile; "
-                    "[hostile(h, p, int(sys.argv[2])) for h, p in json.loads(sys.argv[1])]")
+            code = ("import sys, json; from launch.fault_injector import hostile_all; "
+                    "hostile_all([tuple(t) for t in json.loads(sys.argv[1])], int(sys.argv[2]))")
             subprocess.run([*self.wan.exec_prefix("coordinator"), sys.executable, "-c", code, json.dumps(targets),
                             str(seed)], cwd=self.cluster.run_dir.parent, timeout=600)
         return self._record("hostile-input", "all ports", f"{len(ports)} ports", at=started)

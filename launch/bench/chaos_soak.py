@@ -3,7 +3,7 @@
 Faults (launch/fault_injector.py): SIGKILL in the inner steps, SIGKILL between the phases of an all-reduce,
 SIGKILL of a node that is joining, SIGKILL of a node while a joiner downloads from it, a node that
 serves snapshot chunks with a bit flipped while a joiner downloads from it, a short stall (SIGSTOP under the lease), a long stall (over the
-lease: declared dead, must rejoin by itself), a slowed node (50% duty for 10 s), a coordinator kill
+lease: declared dead, must rejoin by itself), a slowed node (50% duty for twice the lease), a coordinator kill
 and restart, a NaN pseudo-gradient, hostile bytes on every listening port, a forged token, and with
 --wan a partition (the node's link down for longer than the lease, then healed). Killed nodes are
 restarted and rejoin. Prints, per kind and in total: faults injected and survived, outer steps
@@ -127,6 +127,7 @@ def soak(args) -> dict:
     crashed, joiners, not_injected, slow_recoveries = 0, 0, 0, 0
     failed: list[str] = []  # faults whose own check failed (a joiner that did not get past a bad source)
     full_strength: list[float] = []  # seconds from the end of a fault's effects to all nodes in sync again
+    phases: dict[str, float] = defaultdict(float)  # where the soak's wall-clock time goes, summed over faults
     started = time.monotonic()
     try:
         cluster.start_coordinator(start_nodes=args.nodes)
@@ -135,7 +136,7 @@ def soak(args) -> dict:
         watcher = CommitWatcher(observer)
         if watcher.next_commit(time.monotonic() - 1e9, 300) is None:
             raise RuntimeError(f"the cluster never committed an outer step; see {run_dir}")
-        i = 0
+        i, last_kind = 0, "start"
         while i < args.faults and not_injected <= args.faults:
             # Every node back and running before the next fault; one that died on its own is a crash.
             for name in names:
@@ -148,17 +149,19 @@ def soak(args) -> dict:
             # Back to full strength (every node holds the newest step) before the next fault: faults come one
             # at a time. Otherwise a run of faults can take out every holder of the state, which no replica
             # scheme survives without a checkpoint.
-            recovering = time.monotonic()
+            phase = recovering = time.monotonic()
             while observer.in_sync() < args.nodes and time.monotonic() - recovering < args.hang_s:
                 time.sleep(0.2)
             if observer.in_sync() < args.nodes:
                 slow_recoveries += 1
                 print(f"  not back to {args.nodes} nodes in sync within {args.hang_s:.0f} s", flush=True)
             full_strength.append(time.monotonic() - recovering)
+            phase = _lap(phases, f"back to full strength after {last_kind}", phase)
             watcher.next_commit(time.monotonic(), 120)  # running again before the next fault
+            phase = _lap(phases, "a commit before the fault", phase)
             kind = kinds[i % len(kinds)] if args.every_kind_in_turn else rng.choice(kinds)
             target = rng.choice(names)
-            hold_s = {"short-stall": LEASE_S / 2, "long-stall": LEASE_S + 2, "throttle": 10.0,
+            hold_s = {"short-stall": LEASE_S / 2, "long-stall": LEASE_S + 2, "throttle": 2 * LEASE_S,
                       "partition": LEASE_S + 2}.get(kind, 0.0)
             try:
                 if kind == "kill":
@@ -194,8 +197,10 @@ def soak(args) -> dict:
                 not_injected += 1
                 continue  # not counted: the next fault takes its number
             i += 1
+            phase = _lap(phases, f"injecting ({kind})", phase)
             fault = injector.faults[-1]
             recovery = watcher.next_commit(fault.at, args.hang_s)
+            phase = _lap(phases, "fault to next commit", phase)
             results[kind].append(recovery if not fault.failed else None)
             if fault.failed:
                 failed.append(f"{kind}: {fault.failed}")
@@ -206,6 +211,8 @@ def soak(args) -> dict:
             time.sleep(max(0.0, fault.at + hold_s - time.monotonic()))  # the fault runs its course
             if kind == "partition":
                 injector.heal(target)
+            _lap(phases, f"the course of {kind}", phase)
+            last_kind = kind
         committed = observer.committed()
         diverged_events = observer.diverged_events()
     finally:
@@ -235,7 +242,14 @@ def soak(args) -> dict:
                             "longest_s": round(max([r for r in v if r is not None], default=0), 2)}
                         for k, v in sorted(results.items())},
             "minutes": round((time.monotonic() - started) / 60, 1), "run_dir": str(run_dir),
-            "wan": args.wan or "none (loopback)", "data": data}
+            "wan": args.wan or "none (loopback)", "data": data,
+            "seconds_by_phase": {k: round(v, 1) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}}
+
+
+def _lap(phases: dict[str, float], name: str, since: float) -> float:
+    now = time.monotonic()
+    phases[name] += now - since
+    return now
 
 
 def audit_data(cluster: LocalCluster, corpus: Path) -> dict:
@@ -289,6 +303,8 @@ def main() -> int:
           f"next commit {result['longest_fault_to_commit_s']} s (median {result['median_fault_to_commit_s']} s)")
     print(f"back to all {args.nodes} nodes in sync before the next fault: longest wait "
           f"{result['longest_back_to_full_strength_s']} s; not within {args.hang_s:.0f} s: {result['slow_recoveries']}")
+    spent = result["seconds_by_phase"]
+    print("wall-clock by phase (s): " + ", ".join(f"{k} {v}" for k, v in spent.items() if v >= 0.1))
     data = result["data"]
     print(f"data: {data['documents']} document passes ({data['tokens']} tokens) in {data['ranges']} committed ranges; "
           f"duplicated {data['duplicated']}, lost (gaps or incomplete documents) "
