@@ -131,8 +131,10 @@ class RunAuthority:
     def server_context(self) -> ssl.SSLContext:
         return _server_context(self.ca_pem.encode(), self._key)
 
-    def issue(self, public_pem: str, subject: str) -> str:
-        """A server certificate for a member's own key (PEM in, PEM out)."""
+    def issue(self, public_pem: str, subject: str, expires_at: float | None = None) -> str:
+        """A server certificate for a member's own key (PEM in, PEM out), valid CERT_DAYS or until
+        `expires_at` (unix time: its token's expiry), whichever is sooner: a member whose token has
+        expired holds no certificate that peers still trust."""
         try:
             public = serialization.load_pem_public_key(public_pem.encode())
         except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -140,12 +142,15 @@ class RunAuthority:
         if not isinstance(public, ec.EllipticCurvePublicKey):
             raise ValueError("tls_public_key must be an elliptic-curve key")
         now = datetime.datetime.now(datetime.timezone.utc)
+        until = now + datetime.timedelta(days=CERT_DAYS)
+        if expires_at is not None:
+            until = max(now, min(until, datetime.datetime.fromtimestamp(expires_at, datetime.timezone.utc)))
         certificate = (x509.CertificateBuilder()
                        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64] or "member")]))
                        .issuer_name(self.certificate.subject).public_key(public)
                        .serial_number(x509.random_serial_number())
                        .not_valid_before(now - datetime.timedelta(hours=1))
-                       .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+                       .not_valid_after(until)
                        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                        .sign(self._key, hashes.SHA256()))

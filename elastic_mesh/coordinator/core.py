@@ -79,16 +79,18 @@ class Coordinator:
                   "broadcast_key": self.state.get_meta("broadcast_key"), "holder_ttl_s": self.config.holder_ttl_s,
                   "publish": token.publish}
         if self.authority is not None and body.get("tls_public_key"):  # it serves chunks to others
-            answer["tls_cert"] = self._certify([body["tls_public_key"]], f"{token.role} {token.token_id}")[0]
+            answer["tls_cert"] = self._certify([body["tls_public_key"]], f"{token.role} {token.token_id}",
+                                               token.expires_at)[0]
         return answer
 
-    def _certify(self, keys: object, subject: str) -> list[str]:
-        """Certificates for members' own keys, so their chunk servers speak TLS that peers trust."""
+    def _certify(self, keys: object, subject: str, expires_at: float | None) -> list[str]:
+        """Certificates for members' own keys, so their chunk servers speak TLS that peers trust. A
+        broadcast member's ends with its token (every request it makes needs the token anyway)."""
         if not isinstance(keys, list) or not 1 <= len(keys) <= 64 or not all(isinstance(k, str) and len(k) < 4096
                                                                            for k in keys):
             raise Refused(400, "tls_public_keys must list one PEM public key per process (at most 64)")
         try:
-            return [self.authority.issue(key, f"{subject}/{i}") for i, key in enumerate(keys)]
+            return [self.authority.issue(key, f"{subject}/{i}", expires_at) for i, key in enumerate(keys)]
         except ValueError as e:
             raise Refused(400, f"cannot certify this member's key: {e}") from None
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:
@@ -114,7 +116,8 @@ class Coordinator:
         if not body.get("tls_public_keys"):
             raise Refused(400, "this coordinator serves TLS, so a node must send its servers' public keys "
                                "(tls_public_keys) with its join; update prime on this node")
-        certificates = self._certify(body["tls_public_keys"], str(body.get("name", "node"))[:48])
+        # A node's session outlives its token (a run is longer than a join window): its certificates too.
+        certificates = self._certify(body["tls_public_keys"], str(body.get("name", "node"))[:48], None)
         return {**self.admission.join(body, peer), "tls_certs": certificates}
 
     def authenticate(self, node_id: str, session: str) -> Node:

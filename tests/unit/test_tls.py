@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from cryptography import x509
 
 from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
@@ -104,6 +105,8 @@ def test_tokens_pin_the_certificate_and_a_node_joins_over_tls(coordinator, tmp_p
     assert client.tls is not None and len(answer["tls_certs"]) == 2
     for identity, cert in zip(identities, answer["tls_certs"]):
         identity.server_context(cert)  # a certificate for exactly this process's key
+        # A node's session (and its servers) outlive the token it joined with.
+        assert x509.load_pem_x509_certificate(cert.encode()).not_valid_after_utc.timestamp() > info.expires_at + 86400
     with pytest.raises(TLSError, match="another key"):
         identities[0].server_context(answer["tls_certs"][1])
     assert "error" not in client.post("/v1/heartbeat", {"telemetry": []})
@@ -208,6 +211,11 @@ def test_broadcast_members_serve_each_other_over_tls(coordinator, tmp_path):
         second, report = members[1].fetch()  # from the first member's server, over TLS
         assert torch.equal(second.tensors()["w"], sent["w"])
         assert members[0].server.tls is not None and members[0].served_bytes() > 0
+        # A broadcast member's certificate ends with the token it was issued under, not 30 days later.
+        identity, client = MemberIdentity(), CoordinatorClient.for_token(worker, 10, 5, bearer=True)
+        cert = client.post("/v1/broadcast/hello", {"tls_public_key": identity.public_pem})["tls_cert"]
+        ends = x509.load_pem_x509_certificate(cert.encode()).not_valid_after_utc.timestamp()
+        assert read_token(worker).expires_at - 5 <= ends <= read_token(worker).expires_at + 1
     finally:
         for m in [origin, *members]:
             m.stop()
