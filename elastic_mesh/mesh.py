@@ -100,6 +100,7 @@ class ElasticDeviceMesh:
         self.client = CoordinatorClient.for_token(token, config.request_timeout_s, config.coordinator_retry_s)
         # When the run speaks TLS, each local rank's server gets a certificate for its own key at join.
         self.identity = MemberIdentity() if self.client.tls_fp else None
+        self._owner = self  # whose membership (join answer, heartbeat) this is; a background view reads its owner's
         self.heartbeat: Heartbeat | None = None
         self.lifeline: LifeLine | None = None  # held by local rank 0: its close tells the coordinator we died
         self.telemetry = TelemetryBuffer()
@@ -115,7 +116,12 @@ class ElasticDeviceMesh:
         if self.identity is not None:
             self.node_facts["tls_public_keys"] = self.gather(self.identity.public_pem)
         self.rounds = RoundClient(self.client, self._leader_call, config.barrier_timeout_s)
-        self.joined = self._join()
+        self._joined = self._join()
+
+    @property
+    def joined(self) -> dict:
+        """The coordinator's answer to this node's (latest) join: session, name, run id, committed round."""
+        return self._owner._joined
 
     # ---- talking to the coordinator (local rank 0), shared with the node ------------------------------
     def _join(self) -> dict:
@@ -173,6 +179,7 @@ class ElasticDeviceMesh:
         for one background thread (a round in flight while the caller computes): two threads must
         never interleave collectives on one group. Collective: every local rank calls it, in the same order."""
         view = copy.copy(self)
+        view._owner = self  # a rejoin replaces the owner's session and heartbeat: the view sees the new ones
         view._local_group = dist.new_group(backend="gloo") if self.local_world > 1 else None
         view.rounds = RoundClient(self.client, view._leader_call, self.config.barrier_timeout_s)
         return view
@@ -210,14 +217,14 @@ class ElasticDeviceMesh:
         try:
             return self.client.post("/v1/lease", {"kind": kind, "worker": worker, "held": held, "spare": bool(spare)})
         except CoordinatorError as e:
-            if e.status in (401, 410):
+            if e.dropped:
                 return None
             raise
 
     def rejoin(self) -> dict:
         """After the coordinator dropped this node (declared dead, e.g. after a partition)."""
-        self.joined = self._join()
-        return self.joined
+        self._joined = self._join()
+        return self._joined
 
     # ---- catching up: state from peers' transfer servers ---------------------------------------------
     def fetch(self, sources: dict, kind: str, version: int | None, work_dir: Path,
@@ -240,7 +247,8 @@ class ElasticDeviceMesh:
 
     @property
     def dropped(self) -> bool:
-        lost = self.local_rank == 0 and self.heartbeat is not None and self.heartbeat.lost is not None
+        heartbeat = self._owner.heartbeat
+        lost = self.local_rank == 0 and heartbeat is not None and heartbeat.lost is not None
         return bool(self.share({"lost": lost})["lost"])
 
     # ---- the global group of this local rank -------------------------------------------------------

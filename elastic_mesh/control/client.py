@@ -35,6 +35,12 @@ class CoordinatorError(RuntimeError):
         super().__init__(message)
         self.status = status
 
+    @property
+    def dropped(self) -> bool:
+        """The coordinator no longer counts this node a member (declared dead, session unknown, token
+        revoked): joining again is the way on, if the token still admits it."""
+        return self.status in (401, 410)
+
 
 @dataclass
 class Credentials:
@@ -191,7 +197,7 @@ class Heartbeat:
                 self.telemetry.put_back(records)
                 if self._stop.is_set():
                     return  # a request that outlived its session (e.g. across a partition): not news
-                if e.status in (401, 410):
+                if e.dropped:
                     self.lost = str(e)
                     log.warning("coordinator dropped this node: %s", e)
                     return

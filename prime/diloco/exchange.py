@@ -179,7 +179,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
                 raise CoordinatorError("declared dead while it could not reach the coordinator", 410)
             plan = mesh.rounds.plan(step, contributes)
         except CoordinatorError as e:
-            if e.status not in (401, 410):
+            if not e.dropped:
                 raise
             log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
                         mesh.name, e)
@@ -221,7 +221,7 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
         try:
             decision = mesh.rounds.vote(plan, ok, refused, blame, seconds, {"data": data})
         except CoordinatorError as e:
-            if e.status not in (401, 410):
+            if not e.dropped:
                 raise
             log.warning("%s was dropped during outer step %d (%s); joining again", mesh.name, step, e)
             return Exchange(step, "dropped")

@@ -18,6 +18,10 @@ class OuterStepFaults(Protocol):
     def allreduce_phase(self, outer_step: int, phase: str) -> None:
         """Called between the phases of the all-reduce (e.g. 'scatter'); may kill the node."""
 
+    def decided(self, outer_step: int) -> None:
+        """Called once the outer step is decided for this node, before it applies it and commits its hash;
+        may stall the node."""
+
     def serving(self, kind: str, outer_step: int) -> Callable[[Chunked], Chunked] | None:
         """A rewrite of what is served for this kind and step (corrupted bytes), or None."""
 
@@ -27,6 +31,9 @@ class NoFaults:
         return None
 
     def allreduce_phase(self, outer_step: int, phase: str) -> None:
+        return None
+
+    def decided(self, outer_step: int) -> None:
         return None
 
     def serving(self, kind: str, outer_step: int) -> Callable[[Chunked], Chunked] | None:

@@ -23,9 +23,11 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from elastic_mesh.control.client import CoordinatorError
 from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
 from elastic_mesh.transfer.chunks import Deferred
 from elastic_mesh.wire.codecs import codec_for
@@ -45,6 +47,10 @@ from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 from prime.diloco.trainer_view import TrainerView
 
 log = logging.getLogger(__name__)
+
+# A node the coordinator drops again and again while it rejoins and catches up (each time a stall longer
+# than the lease) gives up after this many in a row: something else is wrong with it or its link.
+DROPS_IN_A_ROW = 5
 
 
 class DilocoHook:
@@ -77,16 +83,36 @@ class DilocoHook:
             trainer.progress.note(f"resumed at outer step {restored} (the run's newest), hash "
                                   f"{node_hash(self.outer.digest())}")
         elif committed > 0:  # a running job: this node's weights are stale (initial, or an older checkpoint)
-            trainer.metrics.write(self._catch_up(trainer, full=not restored))
+            trainer.metrics.write(self._rejoining(trainer, lambda: self._catch_up(trainer, full=not restored)))
 
     def _catch_up(self, trainer: TrainerView, full: bool) -> dict:
         """Reaches the run's newest committed step from peers (catch_up.py), nobody waiting for this node."""
         self._wait_for_publisher()
         self.catch_up.outer_step = self.outer_step
-        record = self.catch_up.run(trainer, full)
-        self.outer_step = self.catch_up.outer_step
+        try:
+            record = self.catch_up.run(trainer, full)
+        finally:  # also when it is cut short: the outer params hold the step it reached, and the next try starts there
+            self.outer_step = self.catch_up.outer_step
         self._tokens_at_sync = trainer.tokens_seen
         return record
+
+    def _rejoining(self, trainer: TrainerView, action: Callable[[], dict | None]) -> dict | None:
+        """action() (a round, or a catch-up), joining again and catching up from peers whenever the
+        coordinator turns out to have dropped this node meanwhile. A stall longer than the lease (swap, a
+        preempted VM, SIGSTOP) gets a node declared dead at any moment, and it learns so from whichever
+        request comes next: the exchange, or the commit of its hash right after, or a catch-up's sources,
+        will-join or long-poll. Each rejoins; a node dropped again while catching up goes round again."""
+        for attempt in range(1, DROPS_IN_A_ROW + 1):
+            try:
+                return action()
+            except CoordinatorError as e:
+                if not e.dropped or attempt == DROPS_IN_A_ROW:
+                    raise
+                log.warning("%s was dropped by the coordinator (%s); joining again and catching up from peers",
+                            self.mesh.name, e)
+                self._abandon_inflight()
+                action = lambda: self._out_of_step(trainer, Exchange(self.outer_step, "dropped"))  # noqa: E731
+        raise AssertionError("unreachable")
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer."""
@@ -112,18 +138,23 @@ class DilocoHook:
             return
         self._wait_for_publisher()
         deadline = time.monotonic() + self.config.linger_s
-        while behind := self.mesh.rounds.sources()["behind"]:
-            if time.monotonic() >= deadline:
-                log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind),
-                            self.config.linger_s)
-                return
-            time.sleep(0.5)
+        try:
+            while behind := self.mesh.rounds.sources()["behind"]:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: %s still behind after %.0f s; leaving", self.mesh.name, ", ".join(behind),
+                                self.config.linger_s)
+                    return
+                time.sleep(0.5)
+        except CoordinatorError as e:
+            if not e.dropped:
+                raise
+            log.warning("%s was dropped by the coordinator while it lingered to serve (%s); leaving", self.mesh.name, e)
 
     def after_step(self, trainer: TrainerView, step: int) -> dict | None:
         self._clock.tick()
         if self.config.mode != "blocking":
-            return self._overlapped_step(trainer, step)
-        return None if step % self.config.inner_steps else self._round(trainer)
+            return self._rejoining(trainer, lambda: self._overlapped_step(trainer, step))
+        return None if step % self.config.inner_steps else self._rejoining(trainer, lambda: self._round(trainer))
 
     def _exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
                   contributes: bool = True, pace: Pace | None = None) -> Exchange:
@@ -134,9 +165,7 @@ class DilocoHook:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
         the node catches up from its peers, without anyone waiting for it."""
         if exchange.status == "dropped":
-            self.mesh.rejoin()
-            if self._background_mesh is not None:
-                self._background_mesh.joined = self.mesh.joined
+            self.mesh.rejoin()  # the background view sees the new session and heartbeat too
             self._settle_data(trainer, "forget")
             return self._catch_up(trainer, full=False)  # its own state may still be good: replay onto it
         self._settle_data(trainer, "rewind")
@@ -169,6 +198,7 @@ class DilocoHook:
         exchange = self._exchange(self.mesh, step, pseudo, data)
         if exchange.status != "applied":
             return self._out_of_step(trainer, exchange)
+        self.faults.decided(step)
         self.outer.step(exchange.result.mean, shards)
         self._settle_data(trainer, "committed" if exchange.contributed else "rewind")
         if exchange.contributed:
@@ -345,6 +375,7 @@ class DilocoHook:
         exchange = self._exchange(mesh, step, pseudo, data, contribute, pace)
         decided = time.perf_counter()
         if exchange.status == "applied":
+            self.faults.decided(step)
             self.outer.apply(exchange.result.mean, fragment)
             exchange.model_hash = self._commit(mesh, step)
             if self.config.serve_snapshots:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,11 @@ class FaultConfig(BaseModel):
         0, ge=0, description="Send a finite pseudo-gradient 10,000× too large at this outer step, for the peers' "
                              "outlier check to refuse (0: never).")
     step_delay_s: float = Field(0.0, ge=0, description="Sleep this long after every inner step (a slow node).")
+    freeze_at_outer_step: int = Field(
+        0, ge=0, description="Stop the node's processes (SIGSTOP) for freeze_s once this outer step is decided, "
+                             "before the node applies it and commits its hash (0: never).")
+    freeze_s: float = Field(0.0, ge=0, le=600, description="How long the freeze lasts (longer than the "
+                                                           "coordinator's lease: the node is declared dead meanwhile).")
     control_dir: str = Field(
         "", description="A directory a fault injector drops commands into while the node runs: a file `nan` "
                         "poisons the next pseudo-gradient, `kill-in-allreduce` kills the node between the phases of "
@@ -77,9 +83,19 @@ def kill_node(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def freeze_node(seconds: float) -> None:
+    """SIGSTOP of this process (every thread: the heartbeat too), continued `seconds` later by a helper of
+    its own session: what a stall of the whole machine (swap, a preempted VM, `kill -STOP`) looks like."""
+    log.warning("chaos: freezing this node for %.1f s", seconds)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class FaultHook:
     """A StepHook (after every inner step: kills, delays, commands dropped into control_dir) and the
-    DiLoCo hook's OuterStepFaults (poison, kill mid-all-reduce, corrupt serving)."""
+    DiLoCo hook's OuterStepFaults (poison, kill mid-all-reduce, freeze after a decision, corrupt serving)."""
 
     def __init__(self, config: FaultConfig, server=None) -> None:
         """server: the node's transfer server (elastic_mesh ChunkServer), for slow serving."""
@@ -116,6 +132,10 @@ class FaultHook:
     def allreduce_phase(self, outer_step: int, phase: str) -> None:
         if phase == "scatter" and (self.config.kill_in_allreduce_at == outer_step or self._take("kill-in-allreduce")):
             kill_node(f"between the phases of outer step {outer_step}'s all-reduce")
+
+    def decided(self, outer_step: int) -> None:
+        if self.config.freeze_at_outer_step == outer_step and self.config.freeze_s:
+            freeze_node(self.config.freeze_s)
 
     def serving(self, kind: str, outer_step: int) -> Callable[[Chunked], Chunked] | None:
         if time.monotonic() < self._corrupt_until:

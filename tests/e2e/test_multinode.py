@@ -7,6 +7,8 @@ import sqlite3
 import time
 from contextlib import closing
 
+import pytest
+
 from elastic_mesh.control.token import read_token
 from elastic_mesh.coordinator.leases import WorkLedger
 from elastic_mesh.coordinator.state import CoordinatorState
@@ -198,6 +200,28 @@ def test_a_straggler_is_left_out_and_catches_up_by_replaying(tmp_path, corpus):
     # A round of the fast nodes is ~0.5 s of compute; waiting is bounded by the 3 s deadline.
     assert max(fast[k]["outer_s"] for k in fast if k > 1) < 3 + 2.5
     assert_exactly_once(c, corpus)  # the straggler's missed rounds were read again, not lost
+
+
+@pytest.mark.parametrize("mode", ["blocking", "delayed"])
+def test_a_node_frozen_between_an_outer_step_and_its_commit_rejoins_by_itself(tmp_path, corpus, mode):
+    """The 1000-fault soak's one failure: a node stalled (SIGSTOP of the whole process, heartbeat included)
+    for longer than the lease just after an outer step was decided learns it was declared dead from the
+    commit of its hash, not from the exchange (delayed: in the background thread that decides the step).
+    It joins again, catches up and ends with the others."""
+    slow = ["--chaos.step_delay_s", "0.2", "--diloco.mode", mode]
+    with cluster(tmp_path, corpus, 3, steps=60) as c:
+        c.start_node("node0", slow)
+        c.start_node("node1", slow)
+        c.start_node("node2", [*slow, "--chaos.freeze_at_outer_step", "2", "--chaos.freeze_s", "6"])
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node2")[-3000:]
+    log = c.log("node2")
+    # Once: the rejoin gives the background thread (delayed) the new session too, not the old one's verdict.
+    assert "chaos: freezing this node" in log and log.count("dropped by the coordinator") == 1, log[-3000:]
+    assert "node2 declared dead" in c.log("coordinator")
+    caught = [r for r in c.metrics("node2") if "caught_up_to" in r]
+    assert caught and caught[0]["caught_up_to"] > 2, caught
+    assert_identical(c, ["node0", "node1", "node2"], range(12, 13))
+    assert_exactly_once(c, corpus)
 
 
 def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):
