@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class DilocoConfig(BaseModel):
@@ -41,9 +41,13 @@ class DilocoConfig(BaseModel):
                                                  "latest: the average lands fewer steps late where the link is "
                                                  "fast enough, but at an inner step that depends on the network, "
                                                  "so a run is no longer bit-reproducible.")
-    eager: bool = Field(False, description="delayed/streaming: while an outer step is in flight, resume from an "
-                                          "outer step taken with this node's own pseudo-gradient in place of the "
-                                          "average (eager updates), rather than from where the node stands.")
+    eager: Literal["off", "own", "mixed"] = Field(
+        "off", description="delayed/streaming: what a node resumes from while an outer step is in flight. off: where "
+                           "it stands. own: an outer step taken with its own pseudo-gradient in place of the average. "
+                           "mixed: an outer step taken with an estimate of the average, its own fresh "
+                           "pseudo-gradient for its share and the others' from the last step for theirs (the eager "
+                           "update of Kale et al. 2025; one more fp32 copy of the model per rank). The average, "
+                           "once decided, replaces the estimate: the outer state stays the same on every node.")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(
@@ -68,6 +72,14 @@ class DilocoConfig(BaseModel):
     linger_s: float = Field(
         60.0, ge=0, description="After its last step a node keeps serving this long while a peer is still "
                                 "catching up (a straggler that missed the final outer step).")
+
+    @field_validator("eager", mode="before")
+    @classmethod
+    def _eager_from_bool(cls, value: object) -> object:
+        """`eager = true` (a bool before "mixed" existed) still means this node's own pseudo-gradient."""
+        if isinstance(value, bool) or value in ("true", "false"):
+            return "own" if value in (True, "true") else "off"
+        return value
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> "DilocoConfig":

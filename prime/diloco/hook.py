@@ -326,8 +326,8 @@ class DilocoHook:
             self.outer.copy_to(shards)
             self._settle_data(trainer, "rewind")
             rewound = True
-        elif self.config.eager:
-            self.outer.eager_step(shards, pseudo, fragment)
+        elif self.config.eager != "off":
+            self.outer.eager_step(shards, pseudo, fragment, mixed=self.config.eager == "mixed")
         tokens, self._tokens_at_sync = trainer.tokens_seen - self._tokens_at_sync, trainer.tokens_seen
         whole = whole_snapshot_step(outer_step, self.config.fragment_count) == outer_step  # served with a whole snapshot: copy the moments
         inner = adam_state_tensors(trainer.optimizer, list(self.model.parameters())) \
@@ -377,6 +377,9 @@ class DilocoHook:
         if exchange.status == "applied":
             self.faults.decided(step)
             self.outer.apply(exchange.result.mean, fragment)
+            if self.config.eager == "mixed":  # the others' share of this step: the next estimate's
+                self.outer.remember_others(fragment, exchange.result.mean, pseudo if exchange.contributed else None,
+                                           len(exchange.result.contributors))
             exchange.model_hash = self._commit(mesh, step)
             if self.config.serve_snapshots:
                 whole = whole_snapshot_step(step, self.config.fragment_count) == step

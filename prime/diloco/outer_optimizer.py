@@ -60,6 +60,8 @@ class OuterOptimizer:
         self.buffers = [torch.zeros_like(o) for o in self.outer] if momentum > 0 else []
         self._all = [(i, 0, n) for i, n in enumerate(self.sizes)]
         self._digests: dict[int, tuple[torch.Tensor, int, bytes]] = {}  # see digest()
+        # fragment -> (the other nodes' mean pseudo-gradient in its last outer step, how many): eager "mixed"
+        self._others: dict[int | None, tuple[torch.Tensor, int]] = {}
 
     def _pieces(self, fragment: int | None) -> list[Piece]:
         return self._all if fragment is None else self.fragments[fragment]
@@ -105,15 +107,35 @@ class OuterOptimizer:
         """fp32 CPU copies of the fragment's inner shards (where an overlapped outer step was launched)."""
         return [_flat(shards[i].detach(), lo, hi).float().cpu().clone() for i, lo, hi in self._pieces(fragment)]
 
-    def eager_step(self, shards: list[torch.Tensor], pseudo_gradient: torch.Tensor, fragment: int | None) -> None:
-        """The fragment's inner shards ← the outer params after an outer step taken with this node's own
-        pseudo-gradient standing in for the average (eager updates: what a node resumes from while the
-        real average is in flight; the outer params and momentum themselves are not changed)."""
+    def eager_step(self, shards: list[torch.Tensor], pseudo_gradient: torch.Tensor, fragment: int | None,
+                   mixed: bool = False) -> bool:
+        """The fragment's inner shards ← the outer params after an outer step taken with an estimate of the
+        average that is in flight (eager updates: what a node resumes from meanwhile; the outer params
+        and momentum themselves are not changed, so the average replaces the estimate when it lands).
+        The estimate is this node's own pseudo-gradient, or with `mixed` (Kale et al. 2025) the average
+        of its own and the others' from their last step (remember_others), each counted once per node.
+        Returns whether the mixed estimate was used (False: no last step of the others to mix with)."""
         pieces = self._pieces(fragment)
+        others = self._others.get(fragment) if mixed else None
+        if others is not None and others[0].numel() != pseudo_gradient.numel():
+            others = None  # a differently cut fragment (not seen within one run): own estimate
+        estimate = pseudo_gradient if others is None else (pseudo_gradient + others[0] * others[1]) / (others[1] + 1)
         with torch.no_grad():
-            for (i, lo, hi), g in zip(pieces, self._split(pseudo_gradient, pieces)):
+            for (i, lo, hi), g in zip(pieces, self._split(estimate, pieces)):
                 step = self.lr * self._direction(i, lo, hi, g, keep=False)
                 _write(shards[i], lo, hi, _flat(self.outer[i], lo, hi) - step)
+        return others is not None
+
+    def remember_others(self, fragment: int | None, mean: torch.Tensor, own: torch.Tensor | None, nodes: int) -> None:
+        """Keeps the mean pseudo-gradient of the other nodes in an outer step of `nodes` contributors, for the
+        mixed eager estimate of the next one: the mean with this node's share taken out (own: what this
+        node contributed; None: it contributed nothing, so the mean is the others' already)."""
+        if own is None:
+            self._others[fragment] = (mean.clone(), nodes)
+        elif nodes > 1:
+            self._others[fragment] = ((mean * nodes - own) / (nodes - 1), nodes - 1)
+        else:  # alone: there are no others to estimate
+            self._others.pop(fragment, None)
 
     def merge(self, shards: list[torch.Tensor], launched_from: list[torch.Tensor], fragment: int | None) -> None:
         """The fragment's inner shards ← new outer params + the local progress made since the outer step

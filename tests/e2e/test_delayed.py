@@ -80,9 +80,10 @@ def test_delayed_nodes_stay_identical_and_read_exactly_once(tmp_path, corpus):
 
 def test_delayed_kill_mid_all_reduce_keeps_the_round(tmp_path, corpus):
     """node2 dies between the phases of outer step 2's all-reduce, which runs in the background: the
-    survivors retry it with the pseudo-gradients kept, while their inner steps go on (eager updates;
-    each average applied 3 steps after its launch, not a whole round of 5)."""
-    with cluster(tmp_path, corpus, 3, extra=[*DELAYED, "--diloco.eager", "true", "--diloco.overlap_steps", "3"]) as c:
+    survivors retry it with the pseudo-gradients kept, while their inner steps go on (eager updates with
+    the mixed estimate, whose others' share changes with the members; each average applied 3 steps
+    after its launch, not a whole round of 5)."""
+    with cluster(tmp_path, corpus, 3, extra=[*DELAYED, "--diloco.eager", "mixed", "--diloco.overlap_steps", "3"]) as c:
         for name in ("node0", "node1"):
             c.start_node(name)
         c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])

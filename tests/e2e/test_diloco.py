@@ -236,3 +236,31 @@ def test_eager_step_is_the_outer_step_the_average_would_give_if_it_were_this_nod
     outer.eager_step(shards, pseudo, None)
     assert all(torch.allclose(s, r, atol=1e-6) for s, r in zip(shards, reference.outer))
     assert torch.equal(outer.state_tensor(), state)  # the shared outer state is untouched
+
+
+def test_mixed_eager_step_estimates_the_average_with_the_others_last_pseudo_gradients():
+    import copy
+
+    torch.manual_seed(2)
+    outer = OuterOptimizer([torch.randn(5), torch.randn(2, 3)], lr=0.7, momentum=0.9, fragments=1)
+    mine, b, c = torch.randn(11), torch.randn(11), torch.randn(11)
+    outer.apply((mine + b + c) / 3)
+    state = outer.state_tensor().clone()
+    fresh = torch.randn(11)
+
+    def resumes_from(estimate: torch.Tensor) -> list[torch.Tensor]:
+        reference = copy.deepcopy(outer)
+        reference.apply(estimate)
+        return reference.outer
+
+    shards = [torch.zeros(5), torch.zeros(2, 3)]
+    assert not outer.eager_step(shards, fresh, None, mixed=True)  # nothing remembered yet: its own
+    assert all(torch.allclose(s, r, atol=1e-6) for s, r in zip(shards, resumes_from(fresh)))
+    cases = [((mine + b + c) / 3, mine, 3, (fresh + b + c) / 3),  # it contributed: its share taken out
+             ((b + c) / 2, None, 2, (fresh + b + c) / 3),  # it contributed nothing: the mean is the others'
+             (mine, mine, 1, fresh)]  # alone: no others, its own
+    for mean, own, nodes, expected in cases:
+        outer.remember_others(None, mean, own, nodes)
+        assert outer.eager_step(shards, fresh, None, mixed=True) == (nodes > 1 or own is None)
+        assert all(torch.allclose(s, r, atol=1e-5) for s, r in zip(shards, resumes_from(expected))), (nodes, own)
+    assert torch.equal(outer.state_tensor(), state)  # the shared outer state is untouched

@@ -24,6 +24,11 @@ def test_overrides_are_typed():
     assert config.optim.betas == (0.8, 0.9) and config.name == "123"
 
 
+@pytest.mark.parametrize("text, eager", [("true", "own"), ("false", "off"), ("mixed", "mixed"), ("own", "own")])
+def test_eager_takes_its_modes_and_the_old_booleans(text, eager):
+    assert load_config(REPO / "configs/debug.toml", {"diloco.eager": text}).diloco.eager == eager
+
+
 @pytest.mark.parametrize("overrides, expected", [
     ({"optim.lrr": "1"}, "optim.lrr: unknown key; known keys here: betas, decay_fraction"),
     ({"train.max_steps": "many"}, "train.max_steps"),
@@ -38,6 +43,7 @@ def test_overrides_are_typed():
     ({"diloco.mode": "delayed", "diloco.overlap_steps": "6"}, "diloco.overlap_steps 6 is over diloco.inner_steps 5"),
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
     ({"diloco.pace": "1.5"}, "diloco.pace"),
+    ({"diloco.eager": "average"}, "diloco.eager"),
     ({"data.interleave": "0"}, "data.interleave"),
 ])
 def test_bad_values_are_named(overrides, expected):
