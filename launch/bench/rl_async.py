@@ -61,7 +61,29 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             "train_step_s": sum(r["train_s"] for r in trainer) / max(len(trainer), 1),
             "rollouts_stale": batches[-1]["rollouts_stale"] if batches else 0,
             "fetch_s": sum(fetches) / len(fetches) if fetches else None,
+            **_version_path(trainer, cluster.events("version"), workers),
+            "worker_time": {k: round(sum(w.get(k, 0.0) for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9), 3)
+                            for k in ("busy_s", "lease_s", "waiting_s", "submit_s", "fetching_s")},
+            "trainer_time": {k: round(_mean(r.get(k) for r in trainer), 4) for k in ("update_s", "save_s", "publish_s")},
             "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _version_path(trainer: list[dict], loaded: list[dict], workers: list[dict]) -> dict:
+    """How long a version took from the trainer's publish to usable at the orchestrator (it verifies
+    against it) and at the workers (they generate with it), median over versions, wall clock."""
+    published = {r["step"]: r["published_at"] for r in trainer if "published_at" in r}
+
+    def median_lag(at: dict[int, float]) -> float | None:
+        lags = sorted(t - published[v] for v, t in at.items() if v in published)
+        return round(lags[len(lags) // 2], 3) if lags else None
+    return {"to_orchestrator_s": median_lag({e["version"]: e["loaded_at"] for e in loaded if "loaded_at" in e}),
+            "to_workers_s": median_lag({int(v): max(w["loaded_at"][v] for w in workers if v in w.get("loaded_at", {}))
+                                        for v in set().union(*(w.get("loaded_at", {}) for w in workers))})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(result['worker_idle'])}, staleness mean {result['staleness_mean']:.2f} max "
               f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
               f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
+        print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
+              f"both workers {_s(result['to_workers_s'], 2)} (median); trainer per step: "
+              + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
+              + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
+                                               for k, v in result["worker_time"].items()), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     _plot(results, root / "rl_async.png")

@@ -131,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                                    world, config.epochs, config.max_grad_norm, reference)
             scheduler.step()
             step += 1
+            trained = time.monotonic()
             store.save(step, model, optimizer, {"step": step}, {})
+            saved = time.monotonic()
             _publish_if_missing(member, step, model, args.policy, meta, rank, world)
             if rank != 0:
                 continue
             elapsed = time.monotonic() - started
             record = {"step": step, "time_s": round(elapsed, 3), "train_s": round(time.monotonic() - began, 4),
+                      "update_s": round(trained - began, 4), "save_s": round(saved - trained, 4),
+                      "publish_s": round(time.monotonic() - saved, 4), "published_at": round(time.time(), 3),
                       "idle_fraction": round(idle_s / max(elapsed, 1e-9), 4),
                       **{k: v for k, v in batch["stats"].items() if k != "prompt_numbers"}, **stats}
             metrics.write(json.dumps(record) + "\n")

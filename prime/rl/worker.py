@@ -52,11 +52,13 @@ class HeldPolicy:
         self.version = -1
         self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
         self.lock = threading.Lock()
+        self.loaded_at: dict[int, float] = {}  # version -> wall clock when it could generate (for the benchmark)
 
     def load(self, directory: Path, version: int, fetch_s: float | None = None) -> None:
         with self.lock:
             if version in self.engines:
                 return
+        started = time.monotonic()
         model = load_hf_policy(directory, dtype=self.dtype)
         engine = HFEngine(model, pad_id=int(model.config.pad_token_id or 0),
                           proof=ToplocThresholds.load(directory).proof)
@@ -65,7 +67,9 @@ class HeldPolicy:
             self.version = max(self.version, version)
             for old in sorted(self.engines)[:-2]:
                 del self.engines[old]
-        log.info("policy version %d loaded%s", version, f" (fetched in {fetch_s:.2f} s)" if fetch_s is not None else "")
+            self.loaded_at[version] = time.time()
+        log.info("policy version %d loaded in %.2f s%s", version, time.monotonic() - started,
+                 f" (fetched in {fetch_s:.2f} s)" if fetch_s is not None else "")
 
     def fetch(self, version: int) -> None:
         started = time.monotonic()
@@ -120,28 +124,30 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
     orchestrator = CoordinatorClient(address, request_timeout_s=60, retry_s=60, bearer=token,
                                      tls=member.client.tls_context())
     log.info("worker ready at version %d; orchestrator %s", held.version, address)
-    rollouts, busy_s, started = 0, 0.0, time.monotonic()
+    stats = WorkerClock(args.work_dir / "worker.json", held)
     try:
         while True:
+            asked = time.monotonic()
             try:
                 answer = orchestrator.post("/v1/rl/lease", {"held": held.version})
             except CoordinatorError as e:
                 return _ended(e, "lease")
             status = answer.get("status")
+            stats.add("lease_s" if status == "ok" else "waiting_s", time.monotonic() - asked)
             if status == "done":
-                elapsed = time.monotonic() - started
-                log.info("the run is over: %d rollouts in %.0f s (busy %.0f%%)", rollouts, elapsed,
-                         100 * busy_s / max(elapsed, 1e-9))
-                _write_stats(args.work_dir, rollouts, elapsed, busy_s)
+                stats.write()
+                log.info("the run is over: %s", stats.summary())
                 return EXIT_DONE
             if status == "fetch":
                 if held.version >= int(answer["version"]):  # the orchestrator has not seen what the follower loaded
                     continue  # the next lease names the newer version; the orchestrator waits for it too
                 log.info("told to fetch version %d (holding %d)", answer["version"], held.version)
+                fetching = time.monotonic()
                 try:
                     held.fetch(int(answer["version"]))
                 except BroadcastError as e:  # no source left for it: a newer one will come
                     log.warning("version %d not fetched: %s", answer["version"], e)
+                stats.add("fetching_s", time.monotonic() - fetching)
                 continue
             if status != "ok":
                 continue
@@ -161,25 +167,48 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
             if tamper is not None:
                 completions = tamper(requests, completions, engine)
             body = {"lease": answer["lease"], "completions": [_wire(c, args.dtype) for c in completions]}
-            busy_s += time.monotonic() - began
+            submitting = time.monotonic()
+            stats.add("busy_s", submitting - began)
             try:
                 result = orchestrator.post("/v1/rl/submit", body)
             except CoordinatorError as e:
                 return _ended(e, "submit")
+            stats.add("submit_s", time.monotonic() - submitting)
             if result.get("status") == "accepted":
-                rollouts += len(completions)
-                _write_stats(args.work_dir, rollouts, time.monotonic() - started, busy_s)
+                stats.rollouts += len(completions)
+                stats.write()
             else:
                 log.info("lease %s: %s", answer["lease"], result.get("status"))
     finally:
         member.stop()
 
 
-def _write_stats(work_dir: Path, rollouts: int, seconds: float, busy_s: float) -> None:
-    """worker.json: what this worker did so far (read by launch/bench/rl_async.py for the idle fraction)."""
-    staging = work_dir / "worker.json.tmp"
-    staging.write_text(json.dumps({"rollouts": rollouts, "seconds": round(seconds, 3), "busy_s": round(busy_s, 3)}))
-    staging.replace(work_dir / "worker.json")
+class WorkerClock:
+    """Where this worker's time goes, written to worker.json after every accepted submission (read by
+    launch/bench/rl_async.py): generating (busy_s), asking for a lease that came (lease_s) or did not
+    (waiting_s), submitting (submit_s: the orchestrator verifies before it answers), fetching a version
+    it was told to (fetching_s), and when each version became usable here (loaded_at, wall clock)."""
+
+    def __init__(self, path: Path, held: HeldPolicy) -> None:
+        self.path, self.held = path, held
+        self.rollouts, self.started = 0, time.monotonic()
+        self.seconds = {"busy_s": 0.0, "lease_s": 0.0, "waiting_s": 0.0, "submit_s": 0.0, "fetching_s": 0.0}
+
+    def add(self, what: str, seconds: float) -> None:
+        self.seconds[what] += seconds
+
+    def write(self) -> None:
+        with self.held.lock:
+            loaded = dict(sorted(self.held.loaded_at.items())[-1000:])
+        staging = self.path.with_suffix(".json.tmp")
+        staging.write_text(json.dumps({"rollouts": self.rollouts, "seconds": round(time.monotonic() - self.started, 3),
+                                       **{k: round(v, 3) for k, v in self.seconds.items()}, "loaded_at": loaded}))
+        staging.replace(self.path)
+
+    def summary(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return f"{self.rollouts} rollouts in {elapsed:.0f} s (" + ", ".join(
+            f"{k.removesuffix('_s')} {100 * v / elapsed:.0f}%" for k, v in self.seconds.items()) + ")"
 
 
 def _wire(completion: Completion, dtype: str) -> dict:

@@ -129,7 +129,16 @@ def main(argv: list[str] | None = None) -> int:
                  orchestrator.next_step, skipped, len(orchestrator.counters.evicted))
     evaluations = Evaluations(orchestrator, versions, env, record)
     wake = versions.on_new  # the orchestrator's own hook: wakes leases and batches waiting for a version
-    versions.on_new = lambda v: (wake(v), evaluations.todo.put(v) if v % config.eval_every == 0 else None)
+
+
+    def new_version(version: int) -> None:
+        wake(version)
+        # When each version could first be verified here (the wall clock: the trainer's records say when
+        # it was published), for launch/bench/rl_async.py's account of a version's way to the workers.
+        record({"event": "version", "version": version, "time_s": orchestrator.elapsed(), "loaded_at": time.time()})
+        if version % config.eval_every == 0:
+            evaluations.todo.put(version)
+    versions.on_new = new_version
     check = TokenCheck(facts.coordinator, facts.run_id, tls_fp=facts.tls_fp)
 
     def trusted(token: JoinToken) -> None:
