@@ -235,9 +235,11 @@ class BroadcastMember:
         return target, report
 
     def follow(self, on_version: Callable[[ChunkDir, FetchReport], None] | None = None,
-               only: Callable[[dict], bool] | None = None) -> None:
+               only: Callable[[dict], bool] | None = None,
+               on_announced: Callable[[dict], None] | None = None) -> None:
         """A relay: fetches every new version as it is announced (the newest, skipping any it fell behind
-        on), serves it, keeps the last `keep`. Returns when stop() is called."""
+        on), serves it, keeps the last `keep`. on_announced(manifest) runs when a version is announced,
+        before its download (its manifest is signed: the version is real). Returns when stop() is called."""
         newest = max(self.held, default=-1)
         while not self._stop.is_set():
             try:
@@ -248,6 +250,8 @@ class BroadcastMember:
                 continue
             if manifest is None:
                 continue
+            if on_announced:
+                on_announced(manifest)
             try:
                 target, report = self.fetch(manifest=manifest, only=only)
             except BroadcastError as e:

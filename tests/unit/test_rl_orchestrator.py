@@ -43,12 +43,12 @@ class LocalVersions:
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         self.thresholds = ToplocThresholds.load(directory)
         self.models: dict[int, torch.nn.Module] = {}
-        self.newest = -1
-        self.on_new = lambda version: None
+        self.newest = self.announced = -1
+        self.on_new = self.on_announced = lambda version: None
 
     def add(self, version: int, model) -> None:
         self.models[version] = model
-        self.newest = max(self.newest, version)
+        self.newest = self.announced = max(self.newest, version)
         self.on_new(version)
 
     def verifier(self, version: int) -> Verifier:
@@ -194,3 +194,15 @@ def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(pol
             texts += [tuple(r["prompt"]) for r in batch["rows"]]
     assert len(numbers) == len(set(numbers)) == 12 and min(numbers[8:]) > max(numbers[:8])
     assert texts and not before & set(texts)  # the task stream went on past what the first start drew
+
+
+def test_a_worker_gets_work_on_a_version_announced_before_the_orchestrator_has_loaded_it(policy):
+    orchestrator, versions, _ = _orchestrator(policy, async_level=0)
+    versions.announced = 1  # the coordinator announced version 1; this side is still downloading it
+    orchestrator.next_step = 1
+    assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 1}
+    lease = orchestrator.lease("w1", held=1)  # the worker got it first: it is given work at once
+    assert lease["status"] == "ok" and lease["version"] == 1
+    assert orchestrator.lease("w2", held=2)["status"] == "wait"  # never announced: no work on it
+    versions.add(1, copy.deepcopy(versions.model(0)))  # loaded here: its rollouts can be verified
+    assert orchestrator.submit("w1", _work(orchestrator, versions, lease))["status"] == "accepted"

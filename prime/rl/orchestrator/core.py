@@ -129,7 +129,7 @@ class Orchestrator:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
-        versions.on_new = self._on_new_version
+        versions.on_new = versions.on_announced = self._on_new_version
 
     # ---- versions ------------------------------------------------------------------------------------
     def _on_new_version(self, version: int) -> None:
@@ -151,10 +151,12 @@ class Orchestrator:
                 self.expire()
                 if self.done:
                     return {"status": "done"}
-                newest = self.versions.newest
+                # Announced, not loaded: a worker that got a version first need not wait for this side's
+                # own download to be given work; only the verification of its rollouts waits for it.
+                newest = self.versions.announced
                 if newest >= 0 and (held < 0 or held < max(newest - self.config.async_level, self.oldest_usable)):
                     return {"status": "fetch", "version": newest}
-                if 0 <= held <= newest and self._wanted(held) > 0:  # held > newest: this side is still loading it
+                if 0 <= held <= newest and self._wanted(held) > 0:  # held > newest: not announced here yet
                     return self._grant(worker, held)
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:

@@ -1,10 +1,13 @@
 """The policy versions the orchestrator verifies against: followed through the broadcast (the same
-signed, chunk-checked path the workers use), loaded in float32, the newest `keep` held."""
+signed, chunk-checked path the workers use), loaded in float32, the newest `keep` held. A version
+counts as soon as the coordinator announces it, so workers that hold it get work while this side
+still downloads it; only the verification of its rollouts waits for it."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -26,16 +29,27 @@ class PolicyVersions:
         self.models: dict[int, object] = {}
         self.verifiers: dict[int, Verifier] = {}
         self.tokenizer = None
-        self.newest = -1
+        self.newest = -1  # the newest version loaded here (rollouts of it can be verified)
+        # The newest version the coordinator announced (a signed manifest): workers may be leased work on
+        # it while it is still on its way here; its rollouts wait for it in verifier().
+        self.announced = -1
         self.on_new: Callable[[int], None] = lambda version: None
+        self.on_announced: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()
+        self._loaded = threading.Condition(self._lock)
         self._fetching = threading.Lock()
 
     def follow(self) -> None:
         """Blocks: loads every version as it is announced (skipping any it fell behind on)."""
         threading.current_thread().name = "policy-versions"
         self.member.follow(on_version=lambda target, report: self._load(write_policy(target, self.root),
-                                                                       target.version, report.seconds))
+                                                                       target.version, report.seconds),
+                           on_announced=self._announce)
+
+    def _announce(self, manifest: dict) -> None:
+        with self._lock:
+            self.announced = max(self.announced, int(manifest["version"]))
+        self.on_announced(self.announced)
 
     def _load(self, directory: Path, version: int, fetch_s: float) -> None:
         model = load_hf_policy(directory)
@@ -46,14 +60,20 @@ class PolicyVersions:
             self.models[version] = model
             self.verifiers[version] = Verifier(model, thresholds, eos_id_of(model), self.verify_batch_size)
             self.newest = max(self.newest, version)
+            self.announced = max(self.announced, version)
             for old in [v for v in self.models if v <= self.newest - self.keep]:
                 del self.models[old], self.verifiers[old]
+            self._loaded.notify_all()
         log.info("policy version %d loaded (fetched in %.2f s)", version, fetch_s)
         self.on_new(version)
 
-    def verifier(self, version: int) -> Verifier:
-        """The verifier of `version`; fetched now if the follower skipped it. KeyError: no longer held."""
+    def verifier(self, version: int, wait_s: float = 60.0) -> Verifier:
+        """The verifier of `version`; waited for if it was announced and is on its way here (up to
+        wait_s), fetched now if the follower skipped it. KeyError: no longer held, or never announced."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
+            while self.newest < version <= self.announced and time.monotonic() < deadline:
+                self._loaded.wait(max(0.0, min(1.0, deadline - time.monotonic())))
             if version in self.verifiers:
                 return self.verifiers[version]
             if version <= self.newest - self.keep or version > self.newest:
