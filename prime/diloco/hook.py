@@ -93,6 +93,7 @@ class DilocoHook:
             record = self.catch_up.run(trainer, full)
         finally:  # also when it is cut short: the outer params hold the step it reached, and the next try starts there
             self.outer_step = self.catch_up.outer_step
+            self.outer.forget_others()
         self._tokens_at_sync = trainer.tokens_seen
         return record
 

@@ -126,6 +126,11 @@ class OuterOptimizer:
                 _write(shards[i], lo, hi, _flat(self.outer[i], lo, hi) - step)
         return others is not None
 
+    def forget_others(self) -> None:
+        """After a catch-up: the others' last steps it remembers are from before the gap; own estimates until
+        the next outer step it takes part in."""
+        self._others.clear()
+
     def remember_others(self, fragment: int | None, mean: torch.Tensor, own: torch.Tensor | None, nodes: int) -> None:
         """Keeps the mean pseudo-gradient of the other nodes in an outer step of `nodes` contributors, for the
         mixed eager estimate of the next one: the mean with this node's share taken out (own: what this
