@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.kept_connections import KeptConnections
 from elastic_mesh.control.signing import SignatureError, fingerprint, verify
 from elastic_mesh.control.tls import MemberIdentity
 from elastic_mesh.control.token import read_token
@@ -99,6 +100,8 @@ class BroadcastMember:
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
+        # Kept across downloads: the peers of one version are mostly those of the next.
+        self._conns = KeptConnections(self.settings.timeout_s, self.client.tls)
         self.server: ChunkServer | None = None
         if serve:
             # The server keeps what the member tells it to (retention below), plus a version read in the last
@@ -223,7 +226,7 @@ class BroadcastMember:
             download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
                      holders, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
-                     seeders=lambda: holders.origins, tls=self.client.tls)
+                     seeders=lambda: holders.origins, tls=self.client.tls, conns=self._conns)
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
                                  "for the next try") from None
@@ -236,10 +239,12 @@ class BroadcastMember:
 
     def follow(self, on_version: Callable[[ChunkDir, FetchReport], None] | None = None,
                only: Callable[[dict], bool] | None = None,
-               on_announced: Callable[[dict], None] | None = None) -> None:
+               on_announced: Callable[[dict], None] | None = None,
+               on_failed: Callable[[dict, BroadcastError], None] | None = None) -> None:
         """A relay: fetches every new version as it is announced (the newest, skipping any it fell behind
         on), serves it, keeps the last `keep`. on_announced(manifest) runs when a version is announced,
-        before its download (its manifest is signed: the version is real). Returns when stop() is called."""
+        before its download (its manifest is signed: the version is real); on_failed(manifest, error) when
+        that download gave up. Returns when stop() is called."""
         newest = max(self.held, default=-1)
         while not self._stop.is_set():
             try:
@@ -257,6 +262,8 @@ class BroadcastMember:
             except BroadcastError as e:
                 log.warning("%s %d not fetched: %s", self.kind, manifest["version"], e)
                 newest = max(newest, int(manifest["version"]))
+                if on_failed:
+                    on_failed(manifest, e)
                 continue
             newest = target.version
             if on_version:
@@ -322,6 +329,7 @@ class BroadcastMember:
         self._stop.set()
         if self.server is not None:
             self.server.stop()
+        self._conns.close()
         self.client.close()
 
 

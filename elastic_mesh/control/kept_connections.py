@@ -76,8 +76,18 @@ class KeptConnections:
         if closing:
             conn.close()
             return
+        now = time.monotonic()
         with self._lock:
-            self._idle.setdefault(address, []).append((conn, time.monotonic()))
+            self._idle.setdefault(address, []).append((conn, now))
+            # A pool kept for long (a member's, over many downloads) meets peers that leave: close what
+            # no request will take any more instead of holding their sockets for the process's life.
+            expired = [(a, c) for a, kept in self._idle.items() for c, since in kept if now - since >= IDLE_S]
+            for a, c in expired:
+                self._idle[a] = [(k, t) for k, t in self._idle[a] if k is not c]
+                if not self._idle[a]:
+                    del self._idle[a]
+        for _, c in expired:
+            c.close()
 
     def close(self) -> None:
         with self._lock:

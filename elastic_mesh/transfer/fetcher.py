@@ -137,7 +137,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
              streams: int, stall_s: float = 0.0, on_verified: Callable[[int], None] | None = None,
              on_bad: Callable[[str, int, str], None] | None = None, timeout_s: float = 30.0,
              seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
-             tls: ssl.SSLContext | None = None) -> None:
+             tls: ssl.SSLContext | None = None, conns: KeptConnections | None = None) -> None:
     """Fetches every chunk `target` lacks, `streams` at a time, until it is complete.
 
     holders(): source -> bitmap of the chunks it holds (None: all), asked again before every choice (the
@@ -146,7 +146,10 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     no usable holder, nothing is in flight, and `stall_s` has passed without progress (0: at once).
     on_verified(index) runs after each chunk is stored; on_bad(source, index, why) after a bad one.
     seeders(): sources asked only for chunks that no other source holds (a broadcast's origin: its uplink
-    must carry each chunk about once, and the members pass it on)."""
+    must carry each chunk about once, and the members pass it on).
+    conns: connections kept by the caller beyond this download (a member that fetches version after
+    version from the same peers skips the handshakes and the slow start of new ones); the download's
+    own, closed at its end, if None."""
     n = target.chunks
     rng = random.Random(seed)
     cond = threading.Condition()
@@ -196,7 +199,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         return None
 
     def worker() -> None:
-        conns = KeptConnections(timeout_s, tls)
+        own = KeptConnections(timeout_s, tls) if conns is None else conns
         try:
             while True:
                 with cond:
@@ -213,13 +216,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                     if isinstance(picked[0], list):
                         seeding[0] += 1
                 try:
-                    fetch_one(conns, *picked)
+                    fetch_one(own, *picked)
                 finally:
                     if isinstance(picked[0], list):
                         with cond:
                             seeding[0] -= 1
         finally:
-            conns.close()
+            if conns is None:
+                own.close()
 
     def settle(index: int | None, source: str, outcome: str, detail: str = "", nbytes: int = 0) -> None:
         """A request to `source` ended: ok (nbytes newly stored), busy, failed or corrupt."""

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import random
+import socket
 import ssl
 import struct
 import termios
@@ -33,6 +34,7 @@ from elastic_mesh.transfer.chunks import Chunked, Deferred
 log = logging.getLogger(__name__)
 
 KEY_HEADER = "X-Mesh-Transfer-Key"
+TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)  # Linux's value
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -108,6 +110,19 @@ class _Handler(BaseHTTPRequestHandler):
             _wait_until_sent(self.connection, low_water=64 << 10, give_up_s=self.timeout)
 
 
+def _prefer_bbr(sock) -> None:
+    """Sends this connection's chunks under BBR where the kernel has it. A fetcher keeps its connection
+    between versions, and under the default congestion control a connection idle for longer than its
+    retransmission time-out starts slow again (net.ipv4.tcp_slow_start_after_idle, on by default):
+    every new version would crawl up from ten segments per round trip over a long link. The kernel
+    exempts congestion controls with their own model from that restart, and BBR is one. Without it
+    (not built, or not allowed to this user) the kernel's default stays: slower, not wrong."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, b"bbr")
+    except OSError:
+        pass
+
+
 def _wait_until_sent(conn, low_water: int, give_up_s: float) -> None:
     """Returns once at most `low_water` bytes of this connection wait in the kernel (unsent or unacknowledged).
     A write returns when the bytes are in the send buffer (megabytes, autotuned), long before they are
@@ -168,6 +183,7 @@ class ChunkServer(ThreadingHTTPServer):
 
     def get_request(self):
         conn, address = self.socket.accept()
+        _prefer_bbr(conn)
         return accept(conn, self.tls), address
 
     def handle_error(self, request, client_address) -> None:

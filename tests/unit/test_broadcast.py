@@ -256,3 +256,23 @@ def test_files_round_trip_and_names_cannot_escape_the_output_folder(run, tmp_pat
     finally:
         origin.stop()
         member.stop()
+
+
+def test_a_member_keeps_its_connections_from_one_version_to_the_next(run):
+    """Versions follow each other from the same peers: the second download reuses the first's connections
+    (no new handshakes, and the chunk server's BBR keeps their pace after the idle gap)."""
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    member = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "m", SETTINGS)
+    try:
+        origin.publish(1, payload())
+        member.fetch(1)
+        first = [conn for kept in member._conns._idle.values() for conn, _ in kept]  # held: ids stay unique
+        assert first
+        origin.publish(2, payload())
+        member.fetch(2)
+        second = [conn for kept in member._conns._idle.values() for conn, _ in kept]
+        assert {id(c) for c in first} & {id(c) for c in second}
+    finally:
+        for m in (origin, member):
+            m.stop()

@@ -133,3 +133,17 @@ def test_the_coordinator_client_keeps_one_connection_for_a_nodes_requests(tmp_pa
     finally:
         coordinator.RequestHandlerClass.setup = original
         coordinator.stop()
+
+
+def test_a_long_kept_pool_closes_connections_no_request_will_take(monkeypatch):
+    """A member keeps one pool over many downloads, and the peers it met leave: what sat idle past
+    IDLE_S is closed when another connection is given back, not held for the process's life."""
+    from elastic_mesh.control import kept_connections
+
+    monkeypatch.setattr(kept_connections, "IDLE_S", 0.3)
+    with served() as (gone, kept), served() as (stays, _):
+        assert kept.request(gone.address, "GET", "/a")[0] == 200
+        assert gone.address in kept._idle
+        time.sleep(0.5)
+        assert kept.request(stays.address, "GET", "/b")[0] == 200
+        assert gone.address not in kept._idle and stays.address in kept._idle
