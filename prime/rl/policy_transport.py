@@ -10,7 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elastic_mesh.broadcast.member import BroadcastMember
+from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
 from elastic_mesh.broadcast.payload import files_as_tensors, write_files
 from elastic_mesh.transfer.chunk_dir import ChunkDir
 
@@ -20,6 +20,15 @@ POLICY_KIND = "policy"
 _PER_VERSION = ("config.json", "generation_config.json")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _writing = threading.Lock()
+
+
+def policy_broadcast_settings(keep: int, advertise_host: str | None, port: int = 0) -> BroadcastSettings:
+    """How trainer, orchestrator and workers share policy versions. A version comes every second or so
+    and every step waits on it, so the broadcast is tuned for latency rather than for the fewest
+    requests: small chunks (a relay passes a chunk on as soon as it holds it, and the publisher can hand
+    each member different ones at once) and a holder view refreshed every 50 ms while a download runs
+    (how soon a member learns that a peer holds a chunk). Measured in docs/benchmarks.md (RL section)."""
+    return BroadcastSettings(keep=keep, advertise_host=advertise_host, port=port, chunk_mb=0.125, refresh_s=0.05)
 
 
 def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict,

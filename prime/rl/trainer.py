@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
 from elastic_mesh.broadcast.member import (
     BroadcastError,
     BroadcastMember,
-    BroadcastSettings,
 )
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from prime.core.checkpoint import CheckpointStore
@@ -43,7 +42,11 @@ from prime.core.parallelize import parallelize
 from prime.inference.hf_engine import load_hf_policy
 from prime.rl.cli import load_config, read_token_argument
 from prime.rl.grpo import ENTROPY_BONUS, GRPOConfig
-from prime.rl.policy_transport import POLICY_KIND, publish_policy
+from prime.rl.policy_transport import (
+    POLICY_KIND,
+    policy_broadcast_settings,
+    publish_policy,
+)
 from prime.rl.update import Row, sharded_update
 from prime.verify.thresholds import ToplocThresholds
 
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:  # the other local ranks only compute: the batch reaches them over the local group
         try:
             member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
-                                     BroadcastSettings(keep=3, advertise_host=args.advertise_host))
+                                     policy_broadcast_settings(keep=3, advertise_host=args.advertise_host))
         except BroadcastError as e:
             raise SystemExit(f"cannot join the run: {e}") from None
         if not member.may_publish:

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +25,6 @@ import torch
 from elastic_mesh.broadcast.member import (
     BroadcastError,
     BroadcastMember,
-    BroadcastSettings,
 )
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from prime.core.cli import setup_logging
@@ -32,7 +32,13 @@ from prime.inference.engine import Completion, GenerationRequest
 from prime.inference.hf_engine import HFEngine, load_hf_policy
 from prime.inference.sampling import SamplingParams
 from prime.rl.cli import read_token_argument
-from prime.rl.policy_transport import POLICY_KIND, fetch_policy, meta_of, write_policy
+from prime.rl.policy_transport import (
+    POLICY_KIND,
+    fetch_policy,
+    meta_of,
+    policy_broadcast_settings,
+    write_policy,
+)
 from prime.verify.thresholds import ToplocThresholds
 
 log = logging.getLogger("prime.rl.worker")
@@ -52,6 +58,8 @@ class HeldPolicy:
         self.version = -1
         self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.coming = -1  # the version the follower is downloading now, if any
         self.loaded_at: dict[int, float] = {}  # version -> wall clock when it could generate (for the benchmark)
 
     def load(self, directory: Path, version: int, fetch_s: float | None = None) -> None:
@@ -62,26 +70,52 @@ class HeldPolicy:
         model = load_hf_policy(directory, dtype=self.dtype)
         engine = HFEngine(model, pad_id=int(model.config.pad_token_id or 0),
                           proof=ToplocThresholds.load(directory).proof)
-        with self.lock:
+        with self.changed:
             self.engines[version] = engine
             self.version = max(self.version, version)
             for old in sorted(self.engines)[:-2]:
                 del self.engines[old]
             self.loaded_at[version] = time.time()
+            self.changed.notify_all()
         log.info("policy version %d loaded in %.2f s%s", version, time.monotonic() - started,
                  f" (fetched in {fetch_s:.2f} s)" if fetch_s is not None else "")
 
     def fetch(self, version: int) -> None:
         started = time.monotonic()
+        if self._await_follower(version):
+            return
         try:
             directory = fetch_policy(self.member, self.member.manifest(version), self.root)
         except FileNotFoundError:  # the follower loaded two newer ones meanwhile, and retired this one
             raise BroadcastError(f"version {version} was retired while it was written (newer ones arrived)") from None
         self.load(directory, version, time.monotonic() - started)
 
+    def _await_follower(self, version: int, timeout_s: float = 30.0) -> bool:
+        """Whether the follower, already downloading `version` (or a newer one), loaded it (or newer) within
+        timeout_s: a second download of the same bytes would halve the speed of both."""
+        give_up = time.monotonic() + timeout_s
+        with self.changed:
+            while self.coming >= version and self.version < version and time.monotonic() < give_up:
+                self.changed.wait(0.5)
+            return self.version >= version
+
+    def _announced(self, manifest: dict) -> None:
+        with self.changed:
+            self.coming = int(manifest["version"])
+
+    def _fetched(self, target, report) -> None:
+        try:
+            self.load(write_policy(target, self.root), target.version, report.seconds)
+        finally:
+            self._settled()
+
+    def _settled(self, *_) -> None:
+        with self.changed:
+            self.coming = -1
+            self.changed.notify_all()
+
     def follow(self) -> None:
-        self.member.follow(on_version=lambda target, report: self.load(write_policy(target, self.root), target.version,
-                                                                       report.seconds))
+        self.member.follow(on_version=self._fetched, on_announced=self._announced, on_failed=self._settled)
 
 
 def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
@@ -100,7 +134,7 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
     setup_logging("[worker] ")
     torch.set_num_threads(args.threads)
     token = read_token_argument(args.token, args.token_file)
-    settings = BroadcastSettings(keep=2, port=args.port, advertise_host=args.advertise_host)
+    settings = policy_broadcast_settings(keep=2, advertise_host=args.advertise_host, port=args.port)
     try:
         member = BroadcastMember(token, POLICY_KIND, args.work_dir / "broadcast", settings)
     except BroadcastError as e:
@@ -125,8 +159,12 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                                      tls=member.client.tls_context())
     log.info("worker ready at version %d; orchestrator %s", held.version, address)
     stats = WorkerClock(args.work_dir / "worker.json", held)
+    submitter = Submitter(orchestrator, stats)
     try:
         while True:
+            ended = submitter.ended()
+            if ended is not None:
+                return ended
             asked = time.monotonic()
             try:
                 answer = orchestrator.post("/v1/rl/lease", {"held": held.version})
@@ -135,6 +173,9 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
             status = answer.get("status")
             stats.add("lease_s" if status == "ok" else "waiting_s", time.monotonic() - asked)
             if status == "done":
+                ended = submitter.wait()
+                if ended is not None and ended != EXIT_DONE:
+                    return ended
                 stats.write()
                 log.info("the run is over: %s", stats.summary())
                 return EXIT_DONE
@@ -167,26 +208,69 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
             if tamper is not None:
                 completions = tamper(requests, completions, engine)
             body = {"lease": answer["lease"], "completions": [_wire(c, args.dtype) for c in completions]}
-            submitting = time.monotonic()
-            stats.add("busy_s", submitting - began)
-            try:
-                result = orchestrator.post("/v1/rl/submit", body)
-            except CoordinatorError as e:
-                return _ended(e, "submit")
-            stats.add("submit_s", time.monotonic() - submitting)
-            if result.get("status") == "accepted":
-                stats.rollouts += len(completions)
-                stats.write()
-            else:
-                log.info("lease %s: %s", answer["lease"], result.get("status"))
+            stats.add("busy_s", time.monotonic() - began)
+            ended = submitter.submit(answer["lease"], body, len(completions))
+            if ended is not None:
+                return ended
     finally:
+        submitter.close()
         member.stop()
+
+
+class Submitter:
+    """Sends each lease's rollouts in the background, one submission at a time, so the worker leases and
+    generates the next lease while the orchestrator verifies this one. A submission is answered only
+    once verified, and that is most of its time: sent in line, it kept a worker from generating for
+    longer than generating took. The lease stays the worker's until its rollouts arrive, so the
+    orchestrator hands out no more work for it meanwhile."""
+
+    def __init__(self, orchestrator: CoordinatorClient, stats: "WorkerClock") -> None:
+        self.orchestrator, self.stats = orchestrator, stats
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="submit")
+        self._pending: Future | None = None
+
+    def submit(self, lease: str, body: dict, rollouts: int) -> int | None:
+        """Waits for the previous submission's answer, then sends this one. An exit code when the previous
+        answer ended this worker (evicted, refused, the orchestrator gone)."""
+        ended = self.wait()
+        if ended is None:
+            self._pending = self._pool.submit(self._send, lease, body, rollouts)
+        return ended
+
+    def ended(self) -> int | None:
+        """The exit code of a submission that has been answered and ended this worker, without waiting."""
+        return self.wait() if self._pending is not None and self._pending.done() else None
+
+    def wait(self) -> int | None:
+        if self._pending is None:
+            return None
+        waited = time.monotonic()
+        pending, self._pending = self._pending, None
+        ended = pending.result()
+        self.stats.add("submit_s", time.monotonic() - waited)
+        return ended
+
+    def _send(self, lease: str, body: dict, rollouts: int) -> int | None:
+        try:
+            result = self.orchestrator.post("/v1/rl/submit", body)
+        except CoordinatorError as e:
+            return _ended(e, "submit")
+        if result.get("status") == "accepted":
+            self.stats.rollouts += rollouts
+            self.stats.write()
+        else:
+            log.info("lease %s: %s", lease, result.get("status"))
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class WorkerClock:
     """Where this worker's time goes, written to worker.json after every accepted submission (read by
     launch/bench/rl_async.py): generating (busy_s), asking for a lease that came (lease_s) or did not
-    (waiting_s), submitting (submit_s: the orchestrator verifies before it answers), fetching a version
+    (waiting_s), waiting for the answer to the previous submission before sending the next (submit_s:
+    the orchestrator verifies before it answers; sent in the background meanwhile), fetching a version
     it was told to (fetching_s), and when each version became usable here (loaded_at, wall clock)."""
 
     def __init__(self, path: Path, held: HeldPolicy) -> None:

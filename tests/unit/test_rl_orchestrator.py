@@ -206,3 +206,35 @@ def test_a_worker_gets_work_on_a_version_announced_before_the_orchestrator_has_l
     assert orchestrator.lease("w2", held=2)["status"] == "wait"  # never announced: no work on it
     versions.add(1, copy.deepcopy(versions.model(0)))  # loaded here: its rollouts can be verified
     assert orchestrator.submit("w1", _work(orchestrator, versions, lease))["status"] == "accepted"
+
+
+def test_rollouts_being_verified_still_count_as_on_their_way(policy):
+    """A worker sends its rollouts and at once asks for more (prime/rl/worker.py's Submitter): while the
+    first are verified, their prompts must not be handed out again, or the extra rollouts go stale."""
+    orchestrator, versions, _ = _orchestrator(policy, async_level=0)  # step 0 wants 4 prompts: 2 leases
+    first, second = orchestrator.lease("w1", held=0), orchestrator.lease("w2", held=0)
+    assert first["status"] == second["status"] == "ok"
+    work = _work(orchestrator, versions, first)
+    gate, verifying = threading.Event(), threading.Event()
+    real = versions.verifier
+
+    class HeldUp:
+        def __init__(self, verifier):
+            self.verifier = verifier
+
+        def verify(self, claims):
+            verifying.set()
+            gate.wait(10)
+            return self.verifier.verify(claims)
+
+    versions.verifier = lambda version: HeldUp(real(version))
+    answers = []
+    sender = threading.Thread(target=lambda: answers.append(orchestrator.submit("w1", work)))
+    sender.start()
+    assert verifying.wait(10)
+    assert orchestrator.lease("w1", held=0)["status"] == "wait"  # nothing wanted: 2 leased, 2 being verified
+    gate.set()
+    sender.join(10)
+    assert answers == [{"status": "accepted", "rollouts": 8, "verify_s": answers[0]["verify_s"]}]
+    assert orchestrator.lease("w1", held=0)["status"] == "wait"  # 2 ready, 2 leased: still nothing wanted
+    assert not orchestrator.checking

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
+from elastic_mesh.broadcast.member import BroadcastMember
 from elastic_mesh.control.token import JoinToken, read_token
 from prime.core.cli import setup_logging
 from prime.inference.hf_engine import HFEngine
@@ -30,7 +30,7 @@ from prime.rl.orchestrator.core import Orchestrator
 from prime.rl.orchestrator.dashboard import PAGES, RunHistory, dashboard_answer
 from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
 from prime.rl.orchestrator.versions import PolicyVersions
-from prime.rl.policy_transport import POLICY_KIND
+from prime.rl.policy_transport import POLICY_KIND, policy_broadcast_settings
 from prime.rl.service import JsonServer, Refused, TokenCheck
 
 log = logging.getLogger("prime.rl.orchestrator")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         history.add(event)
 
     member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
-                             BroadcastSettings(keep=config.async_level + 2, advertise_host=args.advertise_host))
+                             policy_broadcast_settings(keep=config.async_level + 2, advertise_host=args.advertise_host))
     versions = PolicyVersions(member, args.run_dir / "policies", keep=config.async_level + 2,
                               verify_batch_size=config.verify_batch_size)
     env = build_environment(config.env, config.reward_terms)

@@ -119,6 +119,7 @@ class Orchestrator:
         self._seeds = random.Random(f"{config.seed}-seeds")
         self._returned: deque[Prompt] = deque()
         self.leases: dict[str, Lease] = {}
+        self.checking: dict[str, Lease] = {}  # submitted, being verified: still counted as on their way
         self.ready: list[Group] = []
         self.batches: dict[int, dict] = {}
         self.next_step = 0
@@ -156,7 +157,9 @@ class Orchestrator:
                 newest = self.versions.announced
                 if newest >= 0 and (held < 0 or held < max(newest - self.config.async_level, self.oldest_usable)):
                     return {"status": "fetch", "version": newest}
-                if 0 <= held <= newest and self._wanted(held) > 0:  # held > newest: not announced here yet
+                # Prompts are tokenized with the tokenizer of the first version loaded here; held > newest:
+                # a version not announced here yet.
+                if self.versions.tokenizer is not None and 0 <= held <= newest and self._wanted(held) > 0:
                     return self._grant(worker, held)
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
@@ -171,7 +174,7 @@ class Orchestrator:
             return 0
         need = (last_step - self.next_step + 1) * self.config.prompts_per_step
         have = sum(1 for g in self.ready if g.version + self.config.async_level >= self.next_step)
-        have += sum(len(lease.prompts) for lease in self.leases.values())
+        have += sum(len(lease.prompts) for lease in (*self.leases.values(), *self.checking.values()))
         return need - have
 
     def _grant(self, worker: str, version: int) -> dict:
@@ -223,6 +226,18 @@ class Orchestrator:
             if lease is None or lease.worker != worker:
                 return {"status": "expired", "detail": "no such lease of this worker (returned after its deadline?)"}
             del self.leases[lease.lease_id]
+            # Counted as on its way until verified: a worker that sends its rollouts and leases again at
+            # once (prime/rl/worker.py) must not be handed the prompts these rollouts are about to fill.
+            self.checking[lease.lease_id] = lease
+        try:
+            return self._check(worker, lease, body)
+        finally:
+            with self.changed:
+                self.checking.pop(lease.lease_id, None)
+                self.changed.notify_all()
+
+    def _check(self, worker: str, lease: Lease, body: dict) -> dict:
+        """Verifies a submission and keeps its groups, or drops it as stale, or evicts its worker."""
         expected = len(lease.prompts) * self.config.group_size
         try:
             completions = [_completion(entry) for entry in body["completions"]]
