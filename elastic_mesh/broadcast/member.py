@@ -59,6 +59,9 @@ class BroadcastSettings(BaseModel):
                               "download (a bad chunk bans it at once).")
     stall_s: float = Field(60.0, ge=0, description="Give up when no source holds a missing chunk for this long.")
     refresh_s: float = Field(0.2, gt=0, description="How often a download asks the coordinator who holds what.")
+    refresh_first_s: float = Field(0.05, gt=0, description="How often it asks during the download's first "
+                                   "second: a small version is over by then, and a member learns sooner that a "
+                                   "peer holds a chunk; a long download settles to refresh_s.")
     upload_slots: int = Field(4, ge=1, le=64, description="Chunks this member sends at once; more requests are "
                               "told to ask elsewhere (a seeder that serves everyone at once finishes no chunk soon).")
     chunk_mb: float = Field(0.5, gt=0, le=256, description="Publishing: the chunk size, MiB. Smaller chunks let "
@@ -333,9 +336,14 @@ class BroadcastMember:
         self.client.close()
 
 
+FIRST_S = 1.0  # a download's first second, when the holder view is refreshed every refresh_first_s
+
+
 class _HolderView:
-    """Who holds which chunks of one version, refreshed from the coordinator every refresh_s in the
-    background while a download runs; the download asks it before every choice."""
+    """Who holds which chunks of one version, refreshed from the coordinator in the background while a
+    download runs (every refresh_first_s in its first second, then every refresh_s: a small version's
+    download is round trips more than bytes, a large one's needs no faster view and its members would
+    only load the coordinator); the download asks it before every choice."""
 
     def __init__(self, member: BroadcastMember, version: int, only: Callable[[dict], bool] | None) -> None:
         self.member, self.version, self.only = member, version, only
@@ -359,7 +367,9 @@ class _HolderView:
         self.current = {h["address"]: None if h["chunks"] == "all" else base64.b64decode(h["chunks"]) for h in holders}
 
     def _run(self) -> None:
-        while not self._stop.wait(self.member.settings.refresh_s):
+        started, settings = time.monotonic(), self.member.settings
+        while not self._stop.wait(settings.refresh_first_s if time.monotonic() - started < FIRST_S
+                                  else settings.refresh_s):
             self._refresh()
 
     def __call__(self) -> dict[str, bytes | None]:

@@ -20,15 +20,20 @@ POLICY_KIND = "policy"
 _PER_VERSION = ("config.json", "generation_config.json")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _writing = threading.Lock()
+SMALL_POLICY_BYTES = 64 << 20
 
 
-def policy_broadcast_settings(keep: int, advertise_host: str | None, port: int = 0) -> BroadcastSettings:
+def policy_broadcast_settings(keep: int, advertise_host: str | None, port: int = 0,
+                              payload_bytes: int | None = None) -> BroadcastSettings:
     """How trainer, orchestrator and workers share policy versions. A version comes every second or so
-    and every step waits on it, so the broadcast is tuned for latency rather than for the fewest
-    requests: small chunks (a relay passes a chunk on as soon as it holds it, and the publisher can hand
-    each member different ones at once) and a holder view refreshed every 50 ms while a download runs
-    (how soon a member learns that a peer holds a chunk). Measured in docs/benchmarks.md (RL section)."""
-    return BroadcastSettings(keep=keep, advertise_host=advertise_host, port=port, chunk_mb=0.125, refresh_s=0.05)
+    and every step waits on it, so a small policy travels in small chunks (a relay passes a chunk on as
+    soon as it holds it, and the publisher can hand each member a different one at once): 128 KiB up to
+    a 64 MiB policy, the default chunk above it (a large policy needs no more requests per byte).
+    payload_bytes: the policy's size, for the publisher (whose chunks everyone fetches). Measured in
+    docs/benchmarks.md (RL section)."""
+    small = payload_bytes is not None and payload_bytes < SMALL_POLICY_BYTES
+    chunk = {"chunk_mb": 0.125} if small else {}
+    return BroadcastSettings(keep=keep, advertise_host=advertise_host, port=port, **chunk)
 
 
 def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict,

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     torch.manual_seed(0)
     model = load_hf_policy(args.policy)
+    policy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # what each version carries
     reference = copy.deepcopy(model).eval() if config.grpo.kl_coef > 0 else None
     model = parallelize(model, group.device, world, torch.float32, activation_checkpointing=False)
     optimizer, scheduler = build_optimizer(model, config.optim, config.max_steps)
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:  # the other local ranks only compute: the batch reaches them over the local group
         try:
             member = BroadcastMember(token, POLICY_KIND, args.run_dir / "broadcast",
-                                     policy_broadcast_settings(keep=3, advertise_host=args.advertise_host))
+                                     policy_broadcast_settings(keep=3, advertise_host=args.advertise_host,
+                                                               payload_bytes=policy_bytes))
         except BroadcastError as e:
             raise SystemExit(f"cannot join the run: {e}") from None
         if not member.may_publish:

@@ -276,3 +276,30 @@ def test_a_member_keeps_its_connections_from_one_version_to_the_next(run):
     finally:
         for m in (origin, member):
             m.stop()
+
+
+def test_the_holder_view_is_refreshed_fast_in_a_downloads_first_second_then_at_refresh_s():
+    """A small version's download is over within a second and waits mostly on learning who holds what;
+    a long download needs no faster view, and many members asking 20 times a second would load the
+    coordinator. (A stand-in member: only its coordinator client is asked, and it counts the asks.)"""
+    from types import SimpleNamespace
+
+    from elastic_mesh.broadcast.member import FIRST_S, _HolderView
+
+    asks: list[float] = []
+
+    def post(path, body, retry=True):
+        asks.append(time.monotonic())
+        return {"holders": []}
+
+    member = SimpleNamespace(kind="policy", address="", client=SimpleNamespace(post=post),
+                             settings=BroadcastSettings(refresh_first_s=0.05, refresh_s=0.5))
+    view = _HolderView(member, 1, None)
+    started = asks[0]
+    time.sleep(FIRST_S + 1.5)
+    view.stop()
+    first = [t for t in asks if t - started < FIRST_S]
+    later = [t for t in asks if FIRST_S + 0.5 <= t - started < FIRST_S + 1.5]
+    assert len(first) >= 8, len(first)  # every 50 ms: ~20 (refresh_s alone: 2)
+    assert len(later) <= 4, len(later)  # every 0.5 s: ~2 (refresh_first_s throughout: ~20)
+
