@@ -110,7 +110,10 @@ def test_dashboard_shows_a_live_two_node_run_whose_export_post_trains_with_rl(tm
                                 "--margin", "16", "--topk", "32"])  # the debug model is 64 wide
     rl = RLCluster(tmp_path / "rl", tmp_path / "hf", orchestrator_sets=[
         "prompts_per_step=4", "prompts_per_lease=2", "eval_every=2", "poll_s=2", "async_level=1",
-        "reward_terms.format_regex='[0-9]'", "reward_terms.format_weight=0.5"], trainer_sets=["max_steps=3"])
+        "reward_terms.format_regex='[0-9]'", "reward_terms.format_weight=0.5",
+        # The format term decides only if some sample writes a digit; in one CI run none did and every
+        # group was flat, so every batch was empty. Flat groups kept: the trainer always gets rows.
+        "filter.drop_flat=false"], trainer_sets=["max_steps=3"])
     with rl:
         rl.start(["worker"])
         assert rl.wait("orchestrator", 240) == 0, rl.log("orchestrator")[-3000:]
