@@ -62,6 +62,10 @@ class BroadcastSettings(BaseModel):
     refresh_first_s: float = Field(0.05, gt=0, description="How often it asks during the download's first "
                                    "second: a small version is over by then, and a member learns sooner that a "
                                    "peer holds a chunk; a long download settles to refresh_s.")
+    standing_wait_s: float = Field(2.0, ge=0, le=5, description="How long a standing request waits at a peer "
+                                   "that is fetching the same version, to be answered with the first chunk it "
+                                   "verifies that this member lacks (0: none; chunks then go on from a relay only "
+                                   "once the coordinator's holder list names them).")
     upload_slots: int = Field(4, ge=1, le=64, description="Chunks this member sends at once; more requests are "
                               "told to ask elsewhere (a seeder that serves everyone at once finishes no chunk soon).")
     chunk_mb: float = Field(0.5, gt=0, le=256, description="Publishing: the chunk size, MiB. Smaller chunks let "
@@ -154,6 +158,12 @@ class BroadcastMember:
 
     def wait_newer(self, after: int, timeout_s: float) -> dict | None:
         """Long-polls the coordinator for a version above `after`: its manifest, or None at timeout_s."""
+        found = self._wait_newer(after, timeout_s)
+        return found[0] if found else None
+
+    def _wait_newer(self, after: int, timeout_s: float) -> tuple[dict, list[dict]] | None:
+        """wait_newer's manifest and who held the version when the coordinator answered (unsigned: a hint
+        for the first choice of sources, every chunk is checked anyway)."""
         give_up = time.monotonic() + timeout_s
         while not self._stop.is_set():
             try:
@@ -161,7 +171,8 @@ class BroadcastMember:
             except CoordinatorError as e:
                 raise BroadcastError(str(e)) from None
             if answer.get("status") == "ok":
-                return self.verified(answer["envelope"])
+                holders = answer.get("holders")
+                return self.verified(answer["envelope"]), holders if isinstance(holders, list) else []
             if time.monotonic() > give_up:
                 return None
         return None
@@ -185,19 +196,23 @@ class BroadcastMember:
             answer = self.client.post("/v1/broadcast/publish", body)
             if answer["root"] != root_hash(chunked.manifest["chunks"]):
                 raise BroadcastError("the coordinator signed another root hash than this member's; not served")
-        except (CoordinatorError, BroadcastError) as e:
+            signed = self.verified(answer["envelope"])
+            if signed["version"] != version or signed["root"] != answer["root"]:
+                raise BroadcastError("the coordinator signed another version than this member published; not served")
+        except (CoordinatorError, BroadcastError, KeyError) as e:
             self.server.forget(self.kind, version)
             raise BroadcastError(f"publish refused: {e}") from None
         self._hold(version, chunked)
         log.info("%s version %d published: %.1f MB in %d chunks, root %s", self.kind, version,
                  chunked.manifest["total_bytes"] / 1e6, len(chunked.manifest["chunks"]), answer["root"][:12])
-        return self.manifest(version)
+        return signed
 
     def fetch(self, version: int | None = None, only: Callable[[dict], bool] | None = None,
-              manifest: dict | None = None) -> tuple[ChunkDir, FetchReport]:
+              manifest: dict | None = None, holders: list[dict] | None = None) -> tuple[ChunkDir, FetchReport]:
         """Fetches `version` (default the newest) from whoever holds it, verified, into the work dir; a
         restarted fetch keeps the verified chunks already there. only(holder): restricts the sources
-        (holder: {address, origin}), for measurements of fixed topologies."""
+        (holder: {address, origin}), for measurements of fixed topologies. holders: who held it a moment
+        ago, as the coordinator answered a wait (the download starts from it instead of asking again)."""
         manifest = manifest or self.manifest(version)
         version = int(manifest["version"])
         started = time.monotonic()
@@ -206,7 +221,7 @@ class BroadcastMember:
         report.resumed_chunks = target.resume()
         if self.server is not None:
             self._hold(version, target)
-        holders = _HolderView(self, version, only)
+        view = _HolderView(self, version, only, holders)
         done = [len(target.held())]
 
         def verified_one(index: int) -> None:
@@ -227,14 +242,15 @@ class BroadcastMember:
         s = self.settings
         try:
             download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
-                     holders, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
+                     view, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
-                     seeders=lambda: holders.origins, tls=self.client.tls, conns=self._conns)
+                     seeders=lambda: view.origins, tls=self.client.tls, conns=self._conns,
+                     wait_s=s.standing_wait_s)
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
                                  "for the next try") from None
         finally:
-            holders.stop()
+            view.stop()
         report.seconds = time.monotonic() - started
         self._dirty.set()
         self._retire()
@@ -251,17 +267,18 @@ class BroadcastMember:
         newest = max(self.held, default=-1)
         while not self._stop.is_set():
             try:
-                manifest = self.wait_newer(newest, timeout_s=3600)
+                found = self._wait_newer(newest, timeout_s=3600)
             except BroadcastError as e:  # the coordinator gone for a while: a relay outlives it
                 log.warning("waiting for a new %s version: %s; trying again in 5 s", self.kind, e)
                 self._stop.wait(5)
                 continue
-            if manifest is None:
+            if found is None:
                 continue
+            manifest, holders = found
             if on_announced:
                 on_announced(manifest)
             try:
-                target, report = self.fetch(manifest=manifest, only=only)
+                target, report = self.fetch(manifest=manifest, only=only, holders=holders)
             except BroadcastError as e:
                 log.warning("%s %d not fetched: %s", self.kind, manifest["version"], e)
                 newest = max(newest, int(manifest["version"]))
@@ -295,16 +312,20 @@ class BroadcastMember:
             log.info("%s %d retired (keeping the newest %d)", self.kind, version, self.settings.keep)
 
     def _announce_loop(self) -> None:
-        last = 0.0
+        last, announced = 0.0, set()
         while not self._stop.is_set():
             due = self._dirty.wait(0.25) or time.monotonic() - last > self.holder_ttl_s / 3
             if not due:
                 continue
-            time.sleep(max(0.0, last + 0.1 - time.monotonic()))  # at most ten a second, however fast chunks come
+            with self._lock:
+                new = not set(self.held) <= announced
+            if not new:  # a version just begun goes out at once: peers send their standing requests here
+                time.sleep(max(0.0, last + 0.1 - time.monotonic()))  # at most ten a second, however fast chunks come
             self._dirty.clear()
             last = time.monotonic()
             with self._lock:
                 held = dict(self.held)
+            announced = set(held)
             for version, item in held.items():
                 complete = not isinstance(item, ChunkDir) or item.complete
                 body = {"kind": self.kind, "version": version, "port": self.server.port,
@@ -345,12 +366,16 @@ class _HolderView:
     download is round trips more than bytes, a large one's needs no faster view and its members would
     only load the coordinator); the download asks it before every choice."""
 
-    def __init__(self, member: BroadcastMember, version: int, only: Callable[[dict], bool] | None) -> None:
+    def __init__(self, member: BroadcastMember, version: int, only: Callable[[dict], bool] | None,
+                 known: list[dict] | None = None) -> None:
         self.member, self.version, self.only = member, version, only
         self.current: dict[str, bytes | None] = {}
         self.origins: set[str] = set()  # publishers: asked only for chunks nobody else holds
         self._stop = threading.Event()
-        self._refresh()
+        if known:
+            self._take(known)
+        else:
+            self._refresh()
         self._thread = threading.Thread(target=self._run, daemon=True, name="broadcast-holders")
         self._thread.start()
 
@@ -361,7 +386,10 @@ class _HolderView:
         except CoordinatorError as e:
             log.debug("holders of %s %d: %s", self.member.kind, self.version, e)
             return
-        holders = [h for h in answer["holders"]
+        self._take(answer["holders"])
+
+    def _take(self, answered: list[dict]) -> None:
+        holders = [h for h in answered
                    if h["address"] != self.member.address and (self.only is None or self.only(h))]
         self.origins = {h["address"] for h in holders if h["origin"]}
         self.current = {h["address"]: None if h["chunks"] == "all" else base64.b64decode(h["chunks"]) for h in holders}

@@ -99,7 +99,8 @@ class Broadcasts:
                  manifest["total_bytes"] / 1e6, manifest["root"][:12])
         if body.get("port"):
             self.have(token, {**body, "version": version, "chunks": "all", "origin": True}, peer)
-        return {"status": "ok", "version": version, "root": manifest["root"]}
+        # The signed envelope comes back with the answer: the publisher needs no second round trip for it.
+        return {"status": "ok", "version": version, "root": manifest["root"], "envelope": envelope}
 
     def _newest(self, kind: str) -> int | None:
         row = self.state.db.execute("SELECT MAX(version) FROM broadcasts WHERE kind = ?", (kind,)).fetchone()
@@ -127,9 +128,14 @@ class Broadcasts:
         return {"status": "ok", "envelope": found}
 
     def wait_answer(self, body: dict) -> dict | None:
-        """For the long-poll: the newest version above `after`, or None (keep waiting)."""
-        found = self.envelope(_kind(body), after=int(body.get("after", -1)))
-        return {"status": "ok", "envelope": found} if found else None
+        """For the long-poll: the newest version above `after` with who holds it now (a follower starts
+        its download from that, without another round trip), or None (keep waiting)."""
+        kind = _kind(body)
+        found = self.envelope(kind, after=int(body.get("after", -1)))
+        if not found:
+            return None
+        return {"status": "ok", "envelope": found,
+                "holders": self.holders({"kind": kind, "version": found["manifest"]["version"]})["holders"]}
 
     # ---- holders -----------------------------------------------------------------------------------
     def have(self, token: JoinToken, body: dict, peer: str) -> dict:

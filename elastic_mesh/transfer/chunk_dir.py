@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from elastic_mesh.transfer.chunks import tensors_from
@@ -26,6 +27,7 @@ class ChunkDir:
         self.expected = expected or [{c["sha256"]} for c in manifest["chunks"]]
         self._held: set[int] = set()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a chunk was stored: wakes a relay's waiting requests
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "manifest.json").write_text(json.dumps(manifest))
 
@@ -62,10 +64,22 @@ class ChunkDir:
                 return False
         staging.write_bytes(data)
         staging.replace(self._path(index))
-        with self._lock:
+        with self._arrived:
             fresh = index not in self._held
             self._held.add(index)
+            self._arrived.notify_all()
         return fresh
+
+    def wait_for_any(self, wanted: bytes, timeout_s: float) -> bool:
+        """Whether some chunk in the bitmap `wanted` is held, waiting up to timeout_s for one to arrive."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while not any(bitmap_has(wanted, i) for i in self._held):
+                left = deadline - time.monotonic()
+                if left <= 0 or len(self._held) == self.chunks:
+                    return False
+                self._arrived.wait(left)
+            return True
 
     def chunk(self, index: int) -> bytes | None:
         """A verified chunk's bytes, or None while it is not held (a relay still fetching)."""

@@ -27,6 +27,10 @@ class SourceBusy(TransferError):
     """The source's upload slots are all taken (HTTP 503): not a failure; ask elsewhere or later."""
 
 
+class NothingYet(SourceBusy):
+    """A relay still fetching got none of the wanted chunks while the request waited (HTTP 204)."""
+
+
 @dataclass
 class Chunked:
     """One version of something, laid out: its manifest and the bytes the manifest describes."""

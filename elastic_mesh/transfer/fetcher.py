@@ -5,7 +5,9 @@ Each chunk is checked against the manifest before it is kept; a bad or missing c
 another source, and a source that fails or lies too often is dropped for the rest of the download.
 Sources are chosen by measured throughput (sources.py), chunks rarest first among the holders, and
 the last chunks in flight are asked of a second source too (whichever answers first wins), so one
-slow source cannot hold up the end. Verified chunks stay on disk (chunk_dir.py), so a restarted
+slow source cannot hold up the end. A peer still fetching the same version also gets a standing
+request for any chunk this side lacks, answered the moment the peer verifies one: a small version
+crosses each relay at the speed of its links, not of the coordinator's holder lists. Verified chunks stay on disk (chunk_dir.py), so a restarted
 download resumes instead of starting over. Nothing is unpickled: the manifest is JSON, the tensors
 raw bytes. Requests carry the run's transfer key.
 """
@@ -29,7 +31,12 @@ import torch
 
 from elastic_mesh.control.kept_connections import KeptConnections
 from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
-from elastic_mesh.transfer.chunks import SourceBusy, TransferError, layout_of
+from elastic_mesh.transfer.chunks import (
+    NothingYet,
+    SourceBusy,
+    TransferError,
+    layout_of,
+)
 from elastic_mesh.transfer.server import KEY_HEADER
 from elastic_mesh.transfer.sources import SourcePicker
 
@@ -63,6 +70,8 @@ def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptCon
             kept.close()
     if status == 503:
         raise SourceBusy(f"{source}: busy")
+    if status == 204:
+        raise NothingYet(f"{source}: none of the wanted chunks arrived there meanwhile")
     if status != 200:
         raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
     return body
@@ -137,7 +146,8 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
              streams: int, stall_s: float = 0.0, on_verified: Callable[[int], None] | None = None,
              on_bad: Callable[[str, int, str], None] | None = None, timeout_s: float = 30.0,
              seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
-             tls: ssl.SSLContext | None = None, conns: KeptConnections | None = None) -> None:
+             tls: ssl.SSLContext | None = None, conns: KeptConnections | None = None,
+             wait_s: float = 0.0) -> None:
     """Fetches every chunk `target` lacks, `streams` at a time, until it is complete.
 
     holders(): source -> bitmap of the chunks it holds (None: all), asked again before every choice (the
@@ -146,7 +156,8 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     no usable holder, nothing is in flight, and `stall_s` has passed without progress (0: at once).
     on_verified(index) runs after each chunk is stored; on_bad(source, index, why) after a bad one.
     seeders(): sources asked only for chunks that no other source holds (a broadcast's origin: its uplink
-    must carry each chunk about once, and the members pass it on).
+    must carry each chunk about once, and the members pass it on). A source with a partial bitmap (a
+    peer still fetching) that holds nothing to ask for gets one standing request at a time (wait_s).
     conns: connections kept by the caller beyond this download (a member that fetches version after
     version from the same peers skips the handshakes and the slow start of new ones); the download's
     own, closed at its end, if None."""
@@ -158,12 +169,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     errors: list[str] = []
     last_progress = [time.monotonic()]
     seeding = [0]  # seeded requests in flight (their chunk is known only when they answer)
+    standing: set[str] = set()  # peers holding one of this download's standing requests
     order = list(range(n))
     rng.shuffle(order)  # ties in rarity broken differently by every member, so they fetch different chunks
 
-    def choose() -> tuple[int | list[int], str] | None:
-        """Under cond: the next (chunk, source), or (chunks, seeder) for a request of whichever of those
-        chunks the seeder sent least; None if nothing can start now."""
+    def choose() -> tuple[int | list[int], str, float] | None:
+        """Under cond: the next (chunk, source, 0), or (chunks, source, wait) for a request of whichever
+        of those chunks the source sent least (a seeder: wait 0; a peer still fetching: a standing
+        request); None if nothing can start now."""
         held = target.held()
         where = holders()
         usable = [s for s in where if picker.usable(s)]
@@ -187,9 +200,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
             if rarity == 0 and source in last_resort and fresh:
                 # Only seeders hold it: let the seeder choose among every such chunk (super-seeding).
                 only_there = [i for r, i, h in ranked if r == 0 and source in h]
-                return only_there, source
+                return only_there, source, 0.0
             in_flight.setdefault(index, set()).add(source)
-            return index, source
+            return index, source, 0.0
+        peers = [s for s in usable if wait_s and fresh and where[s] is not None and s not in last_resort
+                 and s not in standing]
+        if peers and (source := picker.pick(peers)) is not None:
+            standing.add(source)
+            return fresh, source, wait_s
         if not in_flight and not seeding[0] and missing and not ranked and \
                 time.monotonic() - last_progress[0] >= stall_s:
             index = missing[0]
@@ -213,14 +231,19 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                         cond.wait(0.05)
                     if picked is None:
                         continue
-                    if isinstance(picked[0], list):
+                    chunk, source, wait = picked
+                    if isinstance(chunk, list) and not wait:
                         seeding[0] += 1
                 try:
-                    fetch_one(own, *picked)
+                    fetch_one(own, chunk, source, wait)
                 finally:
-                    if isinstance(picked[0], list):
+                    if isinstance(chunk, list):
                         with cond:
-                            seeding[0] -= 1
+                            if wait:
+                                standing.discard(source)
+                            else:
+                                seeding[0] -= 1
+                            cond.notify_all()
         finally:
             if conns is None:
                 own.close()
@@ -244,15 +267,21 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 last_progress[0] = time.monotonic()
             cond.notify_all()
 
-    def fetch_one(conns: KeptConnections, chunk: int | list[int], source: str) -> None:
+    def fetch_one(conns: KeptConnections, chunk: int | list[int], source: str, wait: float = 0.0) -> None:
         started = time.monotonic()
         seeded = isinstance(chunk, list)
+        with cond:
+            relayed = bool(standing)
         index = None if seeded else chunk
         if seeded:
             bits = bytearray((n + 7) // 8)
             for i in chunk:
                 bits[i // 8] |= 1 << (i % 8)
             path = f"/v1/{kind}/{target.version}/fresh/{base64.urlsafe_b64encode(bytes(bits)).decode().rstrip('=')}"
+            if wait:
+                path += f"?wait_ms={int(wait * 1000)}"
+            elif relayed:  # peers are fetching too: a chunk the seeder sent one of them comes from them
+                path += "?only_new=1"
         else:
             path = f"/v1/{kind}/{target.version}/chunk/{index}"
         try:
@@ -261,6 +290,10 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 if len(data) < 8 or not 0 <= (index := struct.unpack(">q", data[:8])[0]) < n:
                     raise TransferError(f"{source}: a seeded chunk without a valid index")
                 data = data[8:]
+        except NothingYet:  # a standing request that waited in vain: ask again at once; a seeder that
+            # sent every wanted chunk to someone a moment ago: ask it again shortly
+            picker.busy(source, back_off_s=0.0 if wait else 0.1)
+            return settle(index, source, "busy")
         except SourceBusy:
             log.debug("%s busy for chunk %s", source, index if index is not None else "(seeded)")
             picker.busy(source)
@@ -291,7 +324,10 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                for _ in range(max(1, min(streams, n - len(target.held()))))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    # Done when complete (or failed), not when every stream is back: a standing request may wait at a
+    # peer for seconds more, and its late answer changes nothing (put() keeps the first copy).
+    with cond:
+        while not (errors or target.complete) and any(t.is_alive() for t in threads):
+            cond.wait(0.05)
     if errors and not target.complete:
         raise TransferError(f"{kind} {target.version}: {errors[0]}")

@@ -2,7 +2,11 @@
 
 GET /v1/<kind>/<version|latest> answers the manifest, GET /v1/<kind>/<version>/chunk/<i> one chunk's
 bytes, GET /v1/<kind>/<version>/fresh/<bitmap> whichever wanted chunk it has sent least (8 bytes of
-index, then the chunk). The caller names the kinds it serves and how many versions of each it keeps; a version that
+index, then the chunk); with ?wait_ms=N a relay that holds none of them yet answers the first that it
+verifies within N ms (204 if none): a follower's standing request, so a chunk goes on from a relay the
+moment it arrives, without the round trips of learning who holds it. With ?only_new=1 (asked by a
+follower whose peers are fetching too) it sends only a chunk it has not sent in the last
+`resend_after_s`, else 204: each chunk leaves a seeder once, and the followers pass it on. The caller names the kinds it serves and how many versions of each it keeps; a version that
 someone fetched from recently is kept a while longer, so a download over a slow link that outlasts a
 few rounds still completes. What it serves is a version laid out in memory (Chunked, Deferred) or the
 verified chunks on disk of a version still being fetched (ChunkDir): a relay serves each chunk as soon
@@ -26,6 +30,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
+from urllib.parse import parse_qs, urlsplit
 
 from elastic_mesh.control.tls import accept
 from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
@@ -59,7 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if not hmac.compare_digest(self.headers.get(KEY_HEADER, ""), self.server.key):
             return self._error(401, "a transfer key is needed (given to members the coordinator admitted)")
-        parts = self.path.strip("/").split("/")  # v1/<kind>/<latest|version>[/chunk/<i>]
+        url = urlsplit(self.path)
+        parts = url.path.strip("/").split("/")  # v1/<kind>/<latest|version>[/chunk/<i>]
         if len(parts) < 3 or parts[0] != "v1" or parts[1] not in self.server.keep:
             return self._error(404, f"no such endpoint {self.path[:100]}")
         item = self.server.get(parts[1], parts[2])
@@ -85,10 +91,17 @@ class _Handler(BaseHTTPRequestHandler):
                 wanted = base64.urlsafe_b64decode(parts[4] + "=" * (-len(parts[4]) % 4))
             except ValueError:
                 return self._error(400, "fresh/<bitmap>: the wanted chunks as an url-safe base64 bitmap")
+            wait_s = _wait_of(url.query)
+            # Waits without an upload slot: a standing request takes one only once it has a chunk to send.
+            if wait_s and isinstance(item, ChunkDir) and not item.wait_for_any(wanted, wait_s):
+                return self._send(204, b"")
             if not self.server.take_upload_slot():
                 return self._error(503, "busy: every upload slot is taken; ask another source or again shortly")
             try:
-                index = self.server.least_sent(parts[1], item, wanted)
+                only_new = parse_qs(url.query).get("only_new") == ["1"]
+                index = self.server.least_sent(parts[1], item, wanted, only_new)
+                if index is None and only_new:
+                    return self._send(204, b"")
                 if index is None:
                     return self._error(404, f"none of the wanted chunks of {parts[1]} {item.version} is held here")
                 if self.server.before_chunk is not None:
@@ -108,6 +121,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, prefix + data if prefix else data, "application/octet-stream")
         if self.server.upload_slots:
             _wait_until_sent(self.connection, low_water=64 << 10, give_up_s=self.timeout)
+
+
+MAX_WAIT_S = 5.0  # longest a standing request is held here
+
+
+def _wait_of(query: str) -> float:
+    """The ?wait_ms= of a fresh request in seconds (0: none or malformed), at most MAX_WAIT_S."""
+    try:
+        return min(MAX_WAIT_S, max(0.0, int(parse_qs(query).get("wait_ms", ["0"])[0]) / 1000))
+    except ValueError:
+        return 0.0
 
 
 def _prefer_bbr(sock) -> None:
@@ -152,12 +176,14 @@ class ChunkServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, host: str, port: int, key: str, keep: dict[str, int], pin_s: float = 60.0,
-                 upload_slots: int | None = None) -> None:
+                 upload_slots: int | None = None, resend_after_s: float = 1.0) -> None:
         """keep: kind -> how many versions of it are held. An older version is also held while someone
         fetched from it in the last pin_s seconds. upload_slots: chunks sent at once; a request beyond
         them is answered 503 at once. A seeder that sends to everyone at once shares its uplink so thinly
         that nobody holds a whole chunk for a long time, and nobody can pass one on; with a few slots
-        each chunk goes out at full rate to a few members, who then serve it too."""
+        each chunk goes out at full rate to a few members, who then serve it too. resend_after_s: how
+        long a chunk sent once counts as on its way through the swarm for an only_new request (after
+        that it goes out again: the member it went to may be gone)."""
         if not keep or any(n < 1 for n in keep.values()):
             raise ValueError(f"keep {keep} must name at least one kind, each keeping at least 1 version")
         super().__init__((host, port), _Handler)
@@ -170,6 +196,8 @@ class ChunkServer(ThreadingHTTPServer):
         self.served: dict[tuple[str, int], int] = {}  # (kind, version) -> bytes served
         self.upload_slots = upload_slots
         self._sent: dict[tuple[str, int], dict[int, int]] = {}  # (kind, version) -> chunk -> times chosen
+        self._sent_at: dict[tuple[str, int], dict[int, float]] = {}  # (kind, version) -> chunk -> last chosen
+        self.resend_after_s = resend_after_s
         self._slots = threading.BoundedSemaphore(upload_slots) if upload_slots else None
         self.slot_wait_s = 0.3
         self._last_read: dict[tuple[str, int], float] = {}
@@ -199,18 +227,26 @@ class ChunkServer(ThreadingHTTPServer):
         if self._slots is not None:
             self._slots.release()
 
-    def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes) -> int | None:
-        """Among the wanted chunks this server holds, one it has sent least often (counted as chosen)."""
+    def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes, only_new: bool = False) -> int | None:
+        """Among the wanted chunks this server holds, one it has sent least often (counted as chosen).
+        only_new: None if each of them was chosen within the last resend_after_s."""
         held = item.held() if isinstance(item, ChunkDir) else None
         choices = [i for i in range(len(item.manifest["chunks"]))
                    if bitmap_has(wanted, i) and (held is None or i in held)]
         if not choices:
             return None
+        now = time.monotonic()
         with self._lock:
             counts = self._sent.setdefault((kind, item.version), {})
+            chosen_at = self._sent_at.setdefault((kind, item.version), {})
+            if only_new:
+                choices = [i for i in choices if now - chosen_at.get(i, -math.inf) >= self.resend_after_s]
+                if not choices:
+                    return None
             fewest = min(counts.get(i, 0) for i in choices)
             index = random.choice([i for i in choices if counts.get(i, 0) == fewest])
             counts[index] = counts.get(index, 0) + 1
+            chosen_at[index] = now
         return index
 
     def count_served(self, kind: str, version: int, nbytes: int) -> None:
@@ -221,6 +257,8 @@ class ChunkServer(ThreadingHTTPServer):
         with self._lock:
             self._held[kind].pop(version, None)
             self._last_read.pop((kind, version), None)
+            self._sent.pop((kind, version), None)
+            self._sent_at.pop((kind, version), None)
 
     def publish(self, item: Chunked | Deferred | ChunkDir, kind: str) -> None:
         if kind not in self._held:

@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         orchestrator = CoordinatorClient(args.orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
                                          tls=member.client.tls_context())
     meta = {"orchestrator": args.orchestrator}
-    _publish_if_missing(member, step, model, args.policy, meta, rank, world)
+    # The coordinator is asked for its newest version once, at the start (a restarted trainer may find its
+    # next version there already); after that this trainer is the only publisher and knows it.
+    published = _publish_if_missing(member, step, model, args.policy, meta, rank, world)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             trained = time.monotonic()
             store.save(step, model, optimizer, {"step": step}, {})
             saved = time.monotonic()
-            _publish_if_missing(member, step, model, args.policy, meta, rank, world)
+            published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, published)
             if rank != 0:
                 continue
             elapsed = time.monotonic() - started
@@ -178,23 +180,28 @@ def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
 
 
 def _publish_if_missing(member: BroadcastMember | None, version: int, model, base: Path, meta: dict, rank: int,
-                        world: int) -> None:
-    """Publishes `version` unless the coordinator already has it (a restarted trainer). Every local rank
-    calls it: the full weights are gathered from the shards (a collective), local rank 0 publishes."""
-    newest = -1
-    if rank == 0:
-        try:
-            newest = int(member.manifest()["version"])
-        except BroadcastError:
-            newest = -1
-    newest = broadcast_json(newest, rank, world)
+                        world: int, known: int | None = None) -> int:
+    """Publishes `version` unless the coordinator already has it (a restarted trainer); returns the newest
+    version published. known: that newest version as this trainer last left it (None: ask the coordinator).
+    Every local rank calls it: the full weights are gathered from the shards (a collective), local rank 0
+    publishes."""
+    newest = known
+    if newest is None:
+        newest = -1
+        if rank == 0:
+            try:
+                newest = int(member.manifest()["version"])
+            except BroadcastError:
+                newest = -1
+        newest = broadcast_json(newest, rank, world)
     if newest >= version:
         if rank == 0:
             log.info("version %d is already published (newest %d)", version, newest)
-        return
+        return newest
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         publish_policy(member, version, model, base, meta, weights)
+    return version
 
 
 if __name__ == "__main__":

@@ -278,6 +278,30 @@ def test_a_member_keeps_its_connections_from_one_version_to_the_next(run):
             m.stop()
 
 
+def test_a_new_version_comes_with_its_holders_and_a_publish_costs_one_request(run):
+    """The wait answer names who holds the version (a follower starts its download from it), and the
+    publish answer carries the signed manifest (the publisher asks for nothing more)."""
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    member = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "m", SETTINGS)
+    asked = []
+    post = origin.client.post
+    origin.client.post = lambda path, body, **kw: (asked.append(path), post(path, body, **kw))[1]
+    try:
+        manifest = origin.publish(1, payload())
+        # (its announcer's `have` runs in a thread of its own)
+        assert [p for p in asked if p != "/v1/broadcast/have"] == ["/v1/broadcast/publish"]
+        assert manifest == member.manifest(1)
+        answer = member.client.post("/v1/broadcast/wait", {"kind": "policy", "after": -1})
+        assert [(h["origin"], h["chunks"], h["address"].endswith(f":{origin.server.port}"))
+                for h in answer["holders"]] == [(True, "all", True)]
+        target, report = member.fetch(manifest=member.verified(answer["envelope"]), holders=answer["holders"])
+        assert target.complete
+    finally:
+        for m in (origin, member):
+            m.stop()
+
+
 def test_the_holder_view_is_refreshed_fast_in_a_downloads_first_second_then_at_refresh_s():
     """A small version's download is over within a second and waits mostly on learning who holds what;
     a long download needs no faster view, and many members asking 20 times a second would load the

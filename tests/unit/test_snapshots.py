@@ -3,17 +3,23 @@ a joiner restarted mid-download, wrong keys, disagreeing sources."""
 
 from __future__ import annotations
 
+import base64
+import http.client
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
+from elastic_mesh.transfer.chunk_dir import ChunkDir
 from elastic_mesh.transfer.chunks import Chunked, Deferred, TransferError, lay_out
-from elastic_mesh.transfer.fetcher import ChunkFetcher
+from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport, download, get_chunk
 from elastic_mesh.transfer.server import ChunkServer
+from elastic_mesh.transfer.sources import SourcePicker
 
 KEY = "k" * 32
 CHUNK = 64 << 10
@@ -281,5 +287,88 @@ def test_a_snapshot_being_fetched_outlives_newer_ones():
         server.pin_s = 0
         server.publish(lay_out(6, {"x": torch.zeros(4)}), "snapshot")
         assert server.versions("snapshot") == [5, 6]
+    finally:
+        server.stop()
+
+
+def test_a_standing_request_is_answered_with_the_first_chunk_the_relay_verifies(tmp_path):
+    """A relay still fetching holds a peer's fresh?wait_ms request until it verifies a chunk the peer
+    wants (then sends that one at once), and answers 204 when none came within the wait."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    relay = ChunkDir(tmp_path / "relay", snapshot.manifest)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(relay, "snapshot")
+    wanted = bytearray((relay.chunks + 7) // 8)
+    wanted[0] = 0b110  # chunks 1 and 2
+
+    def ask(wait_ms: int) -> tuple[int, bytes, float]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        began = time.monotonic()
+        conn.request("GET", f"/v1/snapshot/5/fresh/{base64.urlsafe_b64encode(bytes(wanted)).decode().rstrip('=')}"
+                            f"?wait_ms={wait_ms}", headers={"X-Mesh-Transfer-Key": KEY})
+        response = conn.getresponse()
+        return response.status, response.read(), time.monotonic() - began
+
+    try:
+        status, body, took = ask(300)
+        assert status == 204 and body == b"" and took >= 0.25  # nothing arrived: answered after the wait
+        relay.put(0, snapshot.chunk(0))  # not wanted: the request below keeps waiting
+        answer = {}
+        asking = threading.Thread(target=lambda: answer.update(zip(("status", "body", "took"), ask(4000))))
+        asking.start()
+        time.sleep(0.3)
+        relay.put(2, bytes(snapshot.chunk(2)))
+        arrived = time.monotonic()
+        asking.join(10)
+        assert answer["status"] == 200 and struct.unpack(">q", answer["body"][:8])[0] == 2
+        assert answer["body"][8:] == bytes(snapshot.chunk(2))
+        assert time.monotonic() - arrived < 1.0 and answer["took"] < 3.0  # sent when it arrived, not at the end
+    finally:
+        server.stop()
+
+
+def test_a_download_takes_chunks_from_a_peer_the_moment_the_peer_verifies_them(tmp_path):
+    """download() with wait_s: a peer whose bitmap is still empty gets a standing request, so a chunk the
+    peer verifies reaches this side with no refresh of who holds what (the holder view here never changes)."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    peer_dir = ChunkDir(tmp_path / "peer", snapshot.manifest)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(peer_dir, "snapshot")
+    peer = f"127.0.0.1:{server.port}"
+    target = ChunkDir(tmp_path / "me", snapshot.manifest)
+    report = FetchReport(5, snapshot.manifest["total_bytes"], target.chunks)
+    empty = bytes((target.chunks + 7) // 8)
+
+    def feed() -> None:  # the peer verifies its chunks one by one, as if from an origin this side cannot reach
+        for index in range(target.chunks):
+            time.sleep(0.01)
+            peer_dir.put(index, bytes(snapshot.chunk(index)))
+
+    feeder = threading.Thread(target=feed)
+    try:
+        feeder.start()
+        download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+                 lambda: {peer: empty}, SourcePicker(2), report, streams=4, stall_s=30, wait_s=2.0)
+    finally:
+        feeder.join()
+        server.stop()
+    assert target.complete and report.bytes_from == {peer: snapshot.manifest["total_bytes"]}
+    assert_state(target.tensors())
+
+
+def test_a_seeder_asked_for_new_chunks_only_sends_each_once_until_resend_after_s():
+    """only_new: while the chunks it sent are on their way through the swarm a seeder declines (the
+    followers pass them on); after resend_after_s it sends again (the member it went to may be gone)."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP, resend_after_s=0.3)
+    try:
+        everything = b"\xff" * ((len(snapshot.manifest["chunks"]) + 7) // 8)
+        sent = [server.least_sent("snapshot", snapshot, everything, only_new=True)
+                for _ in snapshot.manifest["chunks"]]
+        assert sorted(sent) == list(range(len(snapshot.manifest["chunks"])))  # each once
+        assert server.least_sent("snapshot", snapshot, everything, only_new=True) is None
+        assert server.least_sent("snapshot", snapshot, everything) is not None  # without the flag: a second copy
+        time.sleep(0.35)
+        assert server.least_sent("snapshot", snapshot, everything, only_new=True) is not None
     finally:
         server.stop()
