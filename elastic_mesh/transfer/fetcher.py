@@ -7,8 +7,8 @@ Sources are chosen by measured throughput (sources.py), chunks rarest first amon
 the last chunks in flight are asked of a second source too (whichever answers first wins), so one
 slow source cannot hold up the end. A peer still fetching the same version also gets a standing
 request for any chunk this side lacks, answered the moment the peer verifies one: a small version
-crosses each relay at the speed of its links, not of the coordinator's holder lists. Verified chunks stay on disk (chunk_dir.py), so a restarted
-download resumes instead of starting over. Nothing is unpickled: the manifest is JSON, the tensors
+crosses each relay at the speed of its links, not of the coordinator's holder lists. Verified chunks
+stay on disk (chunk_dir.py), so a restarted download resumes instead of starting over. Nothing is unpickled: the manifest is JSON, the tensors
 raw bytes. Requests carry the run's transfer key.
 """
 
