@@ -170,6 +170,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     last_progress = [time.monotonic()]
     seeding = [0]  # seeded requests in flight (their chunk is known only when they answer)
     standing: set[str] = set()  # peers holding one of this download's standing requests
+    waiting: set[threading.Thread] = set()  # the streams whose request is a standing one
     order = list(range(n))
     rng.shuffle(order)  # ties in rarity broken differently by every member, so they fetch different chunks
 
@@ -234,6 +235,8 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                     chunk, source, wait = picked
                     if isinstance(chunk, list) and not wait:
                         seeding[0] += 1
+                    if wait:
+                        waiting.add(threading.current_thread())
                 try:
                     fetch_one(own, chunk, source, wait)
                 finally:
@@ -241,6 +244,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                         with cond:
                             if wait:
                                 standing.discard(source)
+                                waiting.discard(threading.current_thread())
                             else:
                                 seeding[0] -= 1
                             cond.notify_all()
@@ -325,9 +329,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     for t in threads:
         t.start()
     # Done when complete (or failed), not when every stream is back: a standing request may wait at a
-    # peer for seconds more, and its late answer changes nothing (put() keeps the first copy).
+    # peer for seconds more, and its late answer changes nothing (put() keeps the first copy). Every
+    # other request ends within one answer: those are waited for, so their connections are back in
+    # the caller's pool for the next version (and no stream of this download outlives it for long).
     with cond:
         while not (errors or target.complete) and any(t.is_alive() for t in threads):
             cond.wait(0.05)
+        others = [t for t in threads if t not in waiting]
+    for t in others:
+        t.join(timeout_s)
     if errors and not target.complete:
         raise TransferError(f"{kind} {target.version}: {errors[0]}")
