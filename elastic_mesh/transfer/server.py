@@ -99,11 +99,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(503, "busy: every upload slot is taken; ask another source or again shortly")
             try:
                 only_new = parse_qs(url.query).get("only_new") == ["1"]
-                index = self.server.least_sent(parts[1], item, wanted, only_new)
-                if index is None and only_new:
-                    return self._send(204, b"")
-                if index is None:
+                index = self.server.least_sent(parts[1], item, wanted, only_new, requester=self.client_address[0])
+                if index is None and not self.server.holds_any(item, wanted):
                     return self._error(404, f"none of the wanted chunks of {parts[1]} {item.version} is held here")
+                if index is None:  # each went out a moment ago (to the swarm, or to this requester)
+                    return self._send(204, b"")
                 if self.server.before_chunk is not None:
                     self.server.before_chunk(parts[1], item.version, index)
                 return self._send_chunk(parts[1], item, index, prefix=struct.pack(">q", index))
@@ -197,6 +197,8 @@ class ChunkServer(ThreadingHTTPServer):
         self.upload_slots = upload_slots
         self._sent: dict[tuple[str, int], dict[int, int]] = {}  # (kind, version) -> chunk -> times chosen
         self._sent_at: dict[tuple[str, int], dict[int, float]] = {}  # (kind, version) -> chunk -> last chosen
+        # (kind, version) -> requester's address -> chunk -> last chosen for it
+        self._sent_to: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
         self.resend_after_s = resend_after_s
         self._slots = threading.BoundedSemaphore(upload_slots) if upload_slots else None
         self.slot_wait_s = 0.3
@@ -227,26 +229,40 @@ class ChunkServer(ThreadingHTTPServer):
         if self._slots is not None:
             self._slots.release()
 
-    def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes, only_new: bool = False) -> int | None:
-        """Among the wanted chunks this server holds, one it has sent least often (counted as chosen).
-        only_new: None if each of them was chosen within the last resend_after_s."""
+    @staticmethod
+    def _held_and_wanted(item: "Chunked | ChunkDir", wanted: bytes) -> list[int]:
         held = item.held() if isinstance(item, ChunkDir) else None
-        choices = [i for i in range(len(item.manifest["chunks"]))
-                   if bitmap_has(wanted, i) and (held is None or i in held)]
+        return [i for i in range(len(item.manifest["chunks"])) if bitmap_has(wanted, i) and (held is None or i in held)]
+
+    def holds_any(self, item: "Chunked | ChunkDir", wanted: bytes) -> bool:
+        return bool(self._held_and_wanted(item, wanted))
+
+    def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes, only_new: bool = False,
+                   requester: str | None = None) -> int | None:
+        """Among the wanted chunks this server holds, one it has sent least often (counted as chosen);
+        None if there is none to send now. only_new: none chosen for anyone within the last
+        resend_after_s. requester (its address): none chosen for it within resend_after_s either, as
+        its other streams ask with the same bitmap at the same moment and would get the same chunk twice."""
+        choices = self._held_and_wanted(item, wanted)
         if not choices:
             return None
         now = time.monotonic()
         with self._lock:
             counts = self._sent.setdefault((kind, item.version), {})
             chosen_at = self._sent_at.setdefault((kind, item.version), {})
+            recent = self._sent_to.setdefault((kind, item.version), {}).setdefault(requester, {}) \
+                if requester is not None else {}
+            choices = [i for i in choices if now - recent.get(i, -math.inf) >= self.resend_after_s]
             if only_new:
                 choices = [i for i in choices if now - chosen_at.get(i, -math.inf) >= self.resend_after_s]
-                if not choices:
-                    return None
+            if not choices:
+                return None
             fewest = min(counts.get(i, 0) for i in choices)
             index = random.choice([i for i in choices if counts.get(i, 0) == fewest])
             counts[index] = counts.get(index, 0) + 1
             chosen_at[index] = now
+            if requester is not None:
+                recent[index] = now
         return index
 
     def count_served(self, kind: str, version: int, nbytes: int) -> None:
@@ -259,6 +275,7 @@ class ChunkServer(ThreadingHTTPServer):
             self._last_read.pop((kind, version), None)
             self._sent.pop((kind, version), None)
             self._sent_at.pop((kind, version), None)
+            self._sent_to.pop((kind, version), None)
 
     def publish(self, item: Chunked | Deferred | ChunkDir, kind: str) -> None:
         if kind not in self._held:

@@ -372,3 +372,23 @@ def test_a_seeder_asked_for_new_chunks_only_sends_each_once_until_resend_after_s
         assert server.least_sent("snapshot", snapshot, everything, only_new=True) is not None
     finally:
         server.stop()
+
+
+def test_a_seeder_sends_one_requester_a_chunk_once_however_many_streams_ask():
+    """A member's streams ask with the same bitmap at the same moment: each gets a different chunk, and
+    with all of them on their way to it the answer is "nothing yet" (204), not a second copy; another
+    member still gets any chunk, and the same member gets one again after resend_after_s."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP, resend_after_s=0.3)
+    try:
+        n = len(snapshot.manifest["chunks"])
+        everything = b"\xff" * ((n + 7) // 8)
+        sent = [server.least_sent("snapshot", snapshot, everything, requester="10.0.0.1") for _ in range(n)]
+        assert sorted(sent) == list(range(n))
+        assert server.least_sent("snapshot", snapshot, everything, requester="10.0.0.1") is None
+        assert server.holds_any(snapshot, everything)  # so the handler answers 204, not 404
+        assert server.least_sent("snapshot", snapshot, everything, requester="10.0.0.2") is not None
+        time.sleep(0.35)
+        assert server.least_sent("snapshot", snapshot, everything, requester="10.0.0.1") is not None
+    finally:
+        server.stop()
