@@ -90,18 +90,22 @@ class HeldPolicy:
             raise BroadcastError(f"version {version} was retired while it was written (newer ones arrived)") from None
         self.load(directory, version, time.monotonic() - started)
 
-    def _await_follower(self, version: int, timeout_s: float = 30.0) -> bool:
-        """Whether the follower, already downloading `version` (or a newer one), loaded it (or newer) within
-        timeout_s: a second download of the same bytes would halve the speed of both."""
-        give_up = time.monotonic() + timeout_s
+    def _await_follower(self, version: int, timeout_s: float = 30.0, grace_s: float = 0.3) -> bool:
+        """Whether the follower, downloading `version` (or a newer one), loaded it (or newer) within
+        timeout_s: a second download of the same bytes would halve the speed of both. The orchestrator
+        hears of a version about when this worker does, so a follower not yet on it gets grace_s to start."""
+        now = time.monotonic()
+        give_up, grace = now + timeout_s, now + grace_s
         with self.changed:
-            while self.coming >= version and self.version < version and time.monotonic() < give_up:
-                self.changed.wait(0.5)
+            while self.version < version and (self.coming >= version or time.monotonic() < grace) \
+                    and time.monotonic() < give_up:
+                self.changed.wait(0.05 if self.coming < version else 0.5)
             return self.version >= version
 
     def _announced(self, manifest: dict) -> None:
         with self.changed:
             self.coming = int(manifest["version"])
+            self.changed.notify_all()
 
     def _fetched(self, target, report) -> None:
         try:
@@ -192,16 +196,20 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 continue
             if status != "ok":
                 continue
-            began = time.monotonic()
             with held.lock:
                 engine = held.engines.get(int(answer["version"]))
-            if engine is None:  # only if two versions arrived during the request
+            if engine is None:  # a lease on the version the follower is loading (the orchestrator heard of it)
+                fetching = time.monotonic()
                 try:
                     held.fetch(int(answer["version"]))
-                except BroadcastError as e:
+                    with held.lock:
+                        engine = held.engines[int(answer["version"])]
+                except (BroadcastError, KeyError) as e:
                     log.warning("leased version %d not fetched: %s; the lease will expire", answer["version"], e)
                     continue
-                engine = held.engines[int(answer["version"])]
+                finally:
+                    stats.add("fetching_s", time.monotonic() - fetching)
+            began = time.monotonic()
             sampling = SamplingParams.model_validate(answer["sampling"])
             requests = [GenerationRequest(list(r["prompt"]), int(r["seed"]), sampling) for r in answer["requests"]]
             completions = engine.generate(requests)

@@ -115,6 +115,25 @@ def test_leases_batches_and_returned_work(policy):
     assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 0}
 
 
+def test_a_batch_says_where_its_time_went(policy):
+    """Lease -> arrived -> verified -> batched, and the trainer's wait, as the benchmark reads them."""
+    orchestrator, versions, events = _orchestrator(policy, async_level=1)
+    leases = [orchestrator.lease("w1", held=0) for _ in range(2)]
+    works = [_work(orchestrator, versions, lease) for lease in leases]
+    built: list[dict] = []
+    trainer = threading.Thread(target=lambda: built.append(orchestrator.batch(0)))
+    trainer.start()  # the trainer asks before the rollouts are back...
+    threading.Event().wait(0.3)
+    for work in works:  # ...and they arrive at least 0.3 s after their leases
+        assert orchestrator.submit("w1", work)["status"] == "accepted"
+    trainer.join(5)
+    stats = built[0]["stats"]
+    assert stats["leased_to_arrived_s"] >= 0.3
+    assert 0 <= stats["arrived_to_verified_s"] < 5 and 0 <= stats["verified_to_batch_s"] < 5
+    assert 0.3 <= stats["asked_to_built_s"] < 5
+    assert [e["asked_to_built_s"] for e in events if e["event"] == "batch"] == [stats["asked_to_built_s"]]
+
+
 def test_rollouts_older_than_the_async_level_are_dropped_and_the_worker_told_to_fetch(policy):
     orchestrator, versions, _ = _orchestrator(policy, async_level=0)
     lease = orchestrator.lease("w1", held=0)
@@ -206,6 +225,26 @@ def test_a_worker_gets_work_on_a_version_announced_before_the_orchestrator_has_l
     assert orchestrator.lease("w2", held=2)["status"] == "wait"  # never announced: no work on it
     versions.add(1, copy.deepcopy(versions.model(0)))  # loaded here: its rollouts can be verified
     assert orchestrator.submit("w1", _work(orchestrator, versions, lease))["status"] == "accepted"
+
+
+def test_a_worker_waiting_for_work_on_its_version_is_sent_to_a_newer_one_that_has_work(policy):
+    """Its lease request names the version it held when it asked; once nothing more is wanted from that
+    one but a newer version is announced with work, the waiting request is granted work on the newer one
+    at once (the worker's follower is most likely loading it) instead of waiting for the next batch to
+    free work for the old."""
+    orchestrator, versions, _ = _orchestrator(policy, async_level=1)  # version 0 may serve steps 0 and 1
+    leases = [orchestrator.lease("w1", held=0) for _ in range(4)]  # 8 prompts: both batches it can serve
+    assert [x["status"] for x in leases] == ["ok"] * 4
+    answers: list[dict] = []
+    waiting = threading.Thread(target=lambda: answers.append(orchestrator.lease("w2", held=0)))
+    waiting.start()
+    threading.Event().wait(0.1)
+    assert not answers  # nothing wanted from version 0: it waits (poll_s 0.5)
+    versions.announced = 1
+    orchestrator._on_new_version(1)  # what the coordinator's announcement triggers
+    waiting.join(5)
+    assert answers[0]["status"] == "ok" and answers[0]["version"] == 1  # version 1 may serve step 2: work on it
+    assert orchestrator.leases[answers[0]["lease"]].version == 1
 
 
 def test_rollouts_being_verified_still_count_as_on_their_way(policy):

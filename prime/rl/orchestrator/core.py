@@ -66,6 +66,7 @@ class Lease:
     prompts: list[Prompt]
     seeds: list[list[int]]  # per prompt, G seeds
     deadline: float
+    granted_at: float = 0.0  # monotonic; with Group's times, where a batch's time went (batch stats)
 
 
 @dataclass
@@ -75,6 +76,9 @@ class Group:
     worker: str
     completions: list[Completion]
     rewards: list[float]
+    granted_at: float = 0.0    # monotonic: its lease was handed out,
+    submitted_at: float = 0.0  # its rollouts arrived,
+    verified_at: float = 0.0   # they passed verification (and were scored)
 
 
 @dataclass
@@ -130,6 +134,7 @@ class Orchestrator:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
+        self._asked = (-1, 0.0)  # (step, when the trainer first asked for its batch), for batch stats
         versions.on_new = versions.on_announced = self._on_new_version
 
     # ---- versions ------------------------------------------------------------------------------------
@@ -161,6 +166,12 @@ class Orchestrator:
                 # a version not announced here yet.
                 if self.versions.tokenizer is not None and 0 <= held <= newest and self._wanted(held) > 0:
                     return self._grant(worker, held)
+                # Nothing wanted from the version it names, but work for the newest: most likely its follower
+                # is loading that one, and waiting here for the next batch to free work for the older one
+                # would keep its rollouts two versions old and the pipeline one batch short. The lease is
+                # on the newest: the worker starts on it the moment it holds it, one round trip sooner.
+                if self.versions.tokenizer is not None and 0 <= held < newest and self._wanted(newest) > 0:
+                    return self._grant(worker, newest)
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     return {"status": "wait"}
@@ -181,8 +192,9 @@ class Orchestrator:
         count = min(self.config.prompts_per_lease, self._wanted(version))
         prompts = [self._next_prompt() for _ in range(count)]
         seeds = [[self._seeds.getrandbits(63) for _ in range(self.config.group_size)] for _ in prompts]
+        now = time.monotonic()
         lease = Lease(f"{worker}-{self.start}-{next(self._numbers)}", worker, version, prompts, seeds,
-                      time.monotonic() + self.config.lease_s)
+                      now + self.config.lease_s, granted_at=now)
         self.leases[lease.lease_id] = lease
         self.counters.of(worker).leases += 1
         return {"status": "ok", "lease": lease.lease_id, "version": version, "lease_s": self.config.lease_s,
@@ -218,6 +230,7 @@ class Orchestrator:
 
     # ---- rollouts ------------------------------------------------------------------------------------
     def submit(self, worker: str, body: dict) -> dict:
+        arrived = time.monotonic()
         with self.lock:
             self.counters.of(worker).last_seen_s = self.elapsed()
             self._refuse_evicted(worker)
@@ -230,13 +243,13 @@ class Orchestrator:
             # once (prime/rl/worker.py) must not be handed the prompts these rollouts are about to fill.
             self.checking[lease.lease_id] = lease
         try:
-            return self._check(worker, lease, body)
+            return self._check(worker, lease, body, arrived)
         finally:
             with self.changed:
                 self.checking.pop(lease.lease_id, None)
                 self.changed.notify_all()
 
-    def _check(self, worker: str, lease: Lease, body: dict) -> dict:
+    def _check(self, worker: str, lease: Lease, body: dict, arrived: float) -> dict:
         """Verifies a submission and keeps its groups, or drops it as stale, or evicts its worker."""
         expected = len(lease.prompts) * self.config.group_size
         try:
@@ -268,7 +281,8 @@ class Orchestrator:
         for index, prompt in enumerate(lease.prompts):
             chosen = completions[index * self.config.group_size:(index + 1) * self.config.group_size]
             rewards = [self.env.reward(prompt.task, self.versions.decode(c.tokens)) for c in chosen]
-            groups.append(Group(prompt, lease.version, worker, chosen, rewards))
+            groups.append(Group(prompt, lease.version, worker, chosen, rewards, lease.granted_at, arrived,
+                                time.monotonic()))
         with self.changed:
             if worker in self.counters.evicted:
                 return {"status": "evicted"}
@@ -318,6 +332,8 @@ class Orchestrator:
         trainer restarted from its checkpoint trains on exactly what it would have."""
         give_up = time.monotonic() + self.config.poll_s
         with self.changed:
+            if self._asked[0] != step:
+                self._asked = (step, time.monotonic())
             while True:
                 if step in self.batches:
                     return self.batches[step]
@@ -328,7 +344,7 @@ class Orchestrator:
                                        f"{len(self.batches)} built are kept)")
                 self._drop_stale(step)
                 if len(self.ready) >= self.config.prompts_per_step:
-                    return self._build(step)
+                    return self._build(step, self._asked[1])
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     return {"status": "wait", "ready": len(self.ready)}
@@ -344,7 +360,7 @@ class Orchestrator:
                 self.counters.of(g.worker).stale += len(g.completions)
             log.info("batch %d: %d groups of versions < %d dropped as stale", step, len(stale), oldest)
 
-    def _build(self, step: int) -> dict:
+    def _build(self, step: int, asked_at: float) -> dict:
         self.ready.sort(key=lambda g: (g.version, g.prompt.number))  # oldest first: the first to go stale
         taken, self.ready = self.ready[:self.config.prompts_per_step], self.ready[self.config.prompts_per_step:]
         self._batched += len(taken)
@@ -362,7 +378,7 @@ class Orchestrator:
         staleness = [step - g.version for g in taken]
         stats = {"reward_mean": float(rewards.mean()), "groups": len(taken), "groups_kept": int(keep.sum()),
                  "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                 "prompt_numbers": [g.prompt.number for g in taken]}
+                 "prompt_numbers": [g.prompt.number for g in taken], **_timing(taken, asked_at)}
         batch = {"status": "ok", "step": step, "temperature": self.config.temperature, "rows": rows, "stats": stats}
         self.batches[step] = batch
         for old in [s for s in self.batches if s < step - 1]:
@@ -441,6 +457,21 @@ class Orchestrator:
 
     def elapsed(self) -> float:
         return round(time.monotonic() - self.started, 3)
+
+
+def _timing(groups: list[Group], asked_at: float) -> dict:
+    """Where a batch's time went, in seconds (medians over its groups): lease handed out -> rollouts
+    arrived (the worker's generation and the network), arrived -> verified (upload, verification and
+    waiting for the version to verify against), verified -> in this batch; and from the trainer's first
+    request for it (made while it trains the batch before) to its build: 0 when it was ready first."""
+    now = time.monotonic()
+
+    def median(values: list[float]) -> float:
+        return round(sorted(values)[len(values) // 2], 4)
+    return {"leased_to_arrived_s": median([g.submitted_at - g.granted_at for g in groups]),
+            "arrived_to_verified_s": median([g.verified_at - g.submitted_at for g in groups]),
+            "verified_to_batch_s": median([now - g.verified_at for g in groups]),
+            "asked_to_built_s": round(max(0.0, now - asked_at), 4)}
 
 
 def _completion(entry: dict) -> Completion:
