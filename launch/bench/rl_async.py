@@ -28,15 +28,19 @@ from launch.rl_cluster import RLCluster, new_policy
 from launch.wan.harness import LinkProfile, WanTopology
 
 WORKERS = ["worker-a", "worker-b"]
+# Per batch, from the orchestrator (medians over its groups): lease -> rollouts arrived, arrived -> verified,
+# verified -> batched, and the trainer's (prefetching) request -> built.
+BATCH_PATH = ("leased_to_arrived_s", "arrived_to_verified_s", "verified_to_batch_s", "asked_to_built_s")
 
 
-def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int) -> dict:
+def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int,
+              publish_dtype: str) -> dict:
     hosts = ["coordinator", "orchestrator", "trainer", *WORKERS]
     with WanTopology(hosts, link) as wan:
         cluster = RLCluster(out, policy, wan=wan, orchestrator_sets=[
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
             "prompts_per_lease=8"],
-            trainer_sets=["max_steps=2000"])
+            trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}"])
         with cluster:
             cluster.start(WORKERS)
             started = time.monotonic()
@@ -65,6 +69,7 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             "worker_time": {k: round(sum(w.get(k, 0.0) for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9), 3)
                             for k in ("busy_s", "lease_s", "waiting_s", "submit_s", "fetching_s")},
             "trainer_time": {k: round(_mean(r.get(k) for r in trainer), 4) for k in ("update_s", "save_s", "publish_s")},
+            "batch_path": {k: round(_mean(b.get(k) for b in batches), 3) for k in BATCH_PATH},
             "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
 
 
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbit", type=float, default=50, help="rate of every access link, each direction (default "
                         "50: a 1.2 MB version in ~0.2 s plus round trips, about one training step here)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--publish-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the precision policy versions travel in (the trainer's publish_dtype; default "
+                        "float32, as the trainer's)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -107,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for level in levels:
         shutil.rmtree(root / f"async{level}", ignore_errors=True)
-        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed)
+        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype)
         results.append(result)
-        print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s): "
+        print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
+              f"versions in {args.publish_dtype}): "
               f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
               f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
               f"{_pct(result['worker_idle'])}, staleness mean {result['staleness_mean']:.2f} max "
@@ -120,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
               + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
                                                for k, v in result["worker_time"].items()), flush=True)
+        print("  a batch's groups (mean over batches): " + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {_s(v, 3)} s" for k, v in result["batch_path"].items()), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     _plot(results, root / "rl_async.png")

@@ -10,6 +10,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
 from elastic_mesh.broadcast.payload import files_as_tensors, write_files
 from elastic_mesh.transfer.chunk_dir import ChunkDir
@@ -37,9 +39,13 @@ def policy_broadcast_settings(keep: int, advertise_host: str | None, port: int =
 
 
 def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict,
-                   weights: dict | None = None) -> None:
+                   weights: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Publishes `model` as `version`, with the tokenizer and thresholds of `base_dir`. weights: its full
-    state dict where the model itself is sharded (FSDP2)."""
+    state dict where the model itself is sharded (FSDP2). dtype: what the floating-point weights travel
+    in (a reader loads them into the dtype it computes in)."""
+    weights = model.state_dict() if weights is None else weights
+    if dtype != torch.float32:
+        weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()}
     with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
         out = Path(tmp)
         model.save_pretrained(out, state_dict=weights, safe_serialization=True)

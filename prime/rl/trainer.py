@@ -20,7 +20,9 @@ import copy
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,6 +70,12 @@ class RLTrainerConfig(BaseModel):
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(entropy_coef=ENTROPY_BONUS),
                              description="Clipping (epsilon, delta), the KL weight, the entropy bonus.")
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints.")
+    publish_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The precision each policy version travels in. float32: versions bit-identical to "
+        "the trainer's weights. bfloat16 halves the bytes every version moves to every worker; workers and the "
+        "verifier compute in float32 on the rounded weights while the trainer keeps float32. Measured on the "
+        "digit policy (docs/benchmarks.md, RL): over the emulated WAN async-2 trainer idle 48% -> 31%, but "
+        "1.2-1.6x as many versions to reach held-out 0.9, so no sooner there.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,14 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"orchestrator": args.orchestrator}
     # The coordinator is asked for its newest version once, at the start (a restarted trainer may find its
     # next version there already); after that this trainer is the only publisher and knows it.
-    published = _publish_if_missing(member, step, model, args.policy, meta, rank, world)
+    publish_dtype = getattr(torch, config.publish_dtype)
+    published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, publish_dtype)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
+    batches = BatchPrefetcher(orchestrator) if rank == 0 else None
     try:
         while step < config.max_steps:
             waited = time.monotonic()
-            batch = broadcast_json(_next_batch(orchestrator, step) if rank == 0 else None, rank, world)
+            batch = broadcast_json(batches.get(step, prefetch=step + 1 < config.max_steps) if rank == 0 else None,
+                                   rank, world)
             idle_s += time.monotonic() - waited
             if batch is None:
                 log.info("the orchestrator ended the run at step %d", step)
@@ -141,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             trained = time.monotonic()
             store.save(step, model, optimizer, {"step": step}, {})
             saved = time.monotonic()
-            published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, published)
+            published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, publish_dtype,
+                                            published)
             if rank != 0:
                 continue
             elapsed = time.monotonic() - started
@@ -161,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     except CoordinatorError as e:
         raise SystemExit(f"the orchestrator refused the trainer: {e}") from None
     finally:
+        if batches is not None:
+            batches.close()
         store.wait()
         if member is not None:
             member.stop()
@@ -168,6 +182,33 @@ def main(argv: list[str] | None = None) -> int:
     log.info("trainer done: %d steps, idle %.0f%% of %.0f s", step, 100 * idle_s / max(time.monotonic() - started, 1e-9),
              time.monotonic() - started)
     return 0
+
+
+class BatchPrefetcher:
+    """Asks the orchestrator for the next step's batch while this one trains: the request and the batch's
+    way back (a round trip and the rows over the WAN, 0.11 s a step measured beyond the orchestrator's own
+    wait) then overlap training instead of following it. The orchestrator keeps the last two batches, so a
+    trainer restarted from its checkpoint still finds the one it asks for."""
+
+    def __init__(self, orchestrator: CoordinatorClient) -> None:
+        self.orchestrator = orchestrator
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-batch")
+        self._ahead: tuple[int, Future] | None = None
+
+    def get(self, step: int, prefetch: bool = True) -> dict | None:
+        """The batch of `step` (None: the run is over), then asks for step + 1 in the background."""
+        if self._ahead is not None and self._ahead[0] == step:
+            pending = self._ahead[1]
+        else:
+            pending = self._pool.submit(_next_batch, self.orchestrator, step)
+        self._ahead = None
+        batch = pending.result()
+        if batch is not None and prefetch:
+            self._ahead = (step + 1, self._pool.submit(_next_batch, self.orchestrator, step + 1))
+        return batch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
@@ -180,7 +221,7 @@ def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
 
 
 def _publish_if_missing(member: BroadcastMember | None, version: int, model, base: Path, meta: dict, rank: int,
-                        world: int, known: int | None = None) -> int:
+                        world: int, dtype: torch.dtype, known: int | None = None) -> int:
     """Publishes `version` unless the coordinator already has it (a restarted trainer); returns the newest
     version published. known: that newest version as this trainer last left it (None: ask the coordinator).
     Every local rank calls it: the full weights are gathered from the shards (a collective), local rank 0
@@ -200,7 +241,7 @@ def _publish_if_missing(member: BroadcastMember | None, version: int, model, bas
         return newest
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        publish_policy(member, version, model, base, meta, weights)
+        publish_policy(member, version, model, base, meta, weights, dtype)
     return version
 
 
