@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from elastic_mesh.broadcast.member import BroadcastSettings
 from elastic_mesh.control.process_tree import kill_tree
 from elastic_mesh.coordinator.run import make_token
 from launch.cluster import REPO, wait_for
@@ -65,6 +66,7 @@ def run_mode(mode: str, args, root: Path) -> dict:
             publisher = make_token(state, 3600, role="node", publish=True)
             member = [sys.executable, str(REPO / "launch" / "bench" / "version_stream_member.py")]
             common = ["--chunk-mb", str(args.chunk_mb), "--payload-mb", str(args.payload_mb),
+                      "--upload-slots", str(args.upload_slots), "--streams-per-source", str(args.streams_per_source),
                       *(["--verbose"] if args.verbose else [])]
             for f in followers:
                 token = make_token(state, 3600, role="worker")
@@ -104,6 +106,11 @@ def main() -> int:
     parser.add_argument("--followers", type=int, default=3, help="followers (default 3: an orchestrator and 2 workers)")
     parser.add_argument("--payload-mb", type=float, default=1.2, help="a version's size (default 1.2: the digit policy)")
     parser.add_argument("--chunk-mb", type=float, default=0.125, help="chunk size, MiB (default 0.125, as RL policies)")
+    defaults = BroadcastSettings()
+    parser.add_argument("--upload-slots", type=int, default=defaults.upload_slots,
+                        help=f"chunks each member sends at once (default {defaults.upload_slots}, the setting's)")
+    parser.add_argument("--streams-per-source", type=int, default=defaults.streams_per_source,
+                        help=f"chunks a member asks of one source at once (default {defaults.streams_per_source})")
     parser.add_argument("--every-s", type=float, default=0.5, help="a new version this often (default 0.5)")
     parser.add_argument("--versions", type=int, default=30)
     parser.add_argument("--mbit", type=float, default=50, help="every host's uplink and downlink (default 50)")
