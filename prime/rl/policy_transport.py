@@ -43,9 +43,9 @@ def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path,
     """Publishes `model` as `version`, with the tokenizer and thresholds of `base_dir`. weights: its full
     state dict where the model itself is sharded (FSDP2). dtype: what the floating-point weights travel
     in (a reader loads them into the dtype it computes in)."""
-    weights = model.state_dict() if weights is None else weights
     if dtype != torch.float32:
-        weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()}
+        weights = {name: t.to(dtype) if t.is_floating_point() else t
+                   for name, t in (model.state_dict() if weights is None else weights).items()}
     with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
         out = Path(tmp)
         model.save_pretrained(out, state_dict=weights, safe_serialization=True)
