@@ -53,6 +53,7 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
         dom = render(chromium, f"http://{cluster.orchestrator_address}/#token={observer}")
         assert rogue in dom and "evicted" in dom, dom[:3000]
         assert canvas_points(dom, "reward-chart") > 0 and canvas_points(dom, "staleness-chart") > 0
+        assert canvas_points(dom, "path-chart") > 0
         # The orchestrator SIGKILLed and started again on its port and run directory: it continues the run.
         cluster.kill("orchestrator")
         stopped_at = json.loads((cluster.run_dir / "orchestrator" / "state.json").read_text())["next_step"]

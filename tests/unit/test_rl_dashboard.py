@@ -16,13 +16,15 @@ from prime.rl.service import JsonServer, TokenCheck
 
 def test_the_history_keeps_what_the_charts_need_numbered_and_bounded():
     history = RunHistory(keep=3)
-    history.add({"event": "batch", "step": 0, "time_s": 1.0, "reward_mean": 0.1, "prompt_numbers": list(range(99))})
+    history.add({"event": "batch", "step": 0, "time_s": 1.0, "reward_mean": 0.1, "prompt_numbers": list(range(99)),
+                 "leased_to_arrived_s": 0.3, "asked_to_built_s": 0.2})
     history.add({"event": "eval", "version": 0, "time_s": 1.5, "eval_reward": 0.05})
     history.add({"event": "something else", "time_s": 2.0})  # not for the dashboard
     history.add({"event": "evicted", "worker": "w1", "reason": "forged proof", "time_s": 2.5})
     events, last = history.after(0)
     assert [(e["id"], e["event"]) for e in events] == [(1, "batch"), (2, "eval"), (3, "evicted")] and last == 3
     assert "prompt_numbers" not in events[0] and events[0]["reward_mean"] == 0.1
+    assert events[0]["leased_to_arrived_s"] == 0.3 and events[0]["asked_to_built_s"] == 0.2  # the path chart's
     assert history.after(2) == ([events[2]], 3) and history.after(3) == ([], 3)
     history.add({"event": "batch", "step": 1, "time_s": 3.0})
     assert [e["id"] for e in history.after(0)[0]] == [2, 3, 4]  # the oldest went

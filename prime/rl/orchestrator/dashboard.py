@@ -28,7 +28,8 @@ PAGES = {
 PATH = "/v1/rl/dashboard"
 # What a chart needs of an event; the rest (a batch's prompt numbers, say) stays in metrics.jsonl.
 _FIELDS = {"batch": ("step", "time_s", "reward_mean", "staleness_mean", "staleness_max", "groups", "groups_kept",
-                     "rollouts_accepted", "rollouts_rejected", "rollouts_stale", "workers"),
+                     "rollouts_accepted", "rollouts_rejected", "rollouts_stale", "workers", "leased_to_arrived_s",
+                     "arrived_to_verified_s", "verified_to_batch_s", "asked_to_built_s"),
            "eval": ("version", "time_s", "eval_reward"),
            "evicted": ("worker", "reason", "time_s")}
 

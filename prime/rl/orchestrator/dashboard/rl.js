@@ -55,6 +55,13 @@ function renderCharts() {
     { name: "mean", points: batches.map(b => [b.step, b.staleness_mean]) },
     { name: "max", steps: true, points: batches.map(b => [b.step, b.staleness_max]) },
   ], { xLabel: "trainer step", yZero: true });
+  const timed = batches.filter(b => b.leased_to_arrived_s !== undefined);
+  PrimeCharts.lines(document.getElementById("path-chart"), [
+    { name: "lease → back", points: timed.map(b => [b.step, b.leased_to_arrived_s]) },
+    { name: "→ verified", points: timed.map(b => [b.step, b.arrived_to_verified_s]) },
+    { name: "→ in the batch", points: timed.map(b => [b.step, b.verified_to_batch_s]) },
+    { name: "request → built", points: timed.map(b => [b.step, b.asked_to_built_s]) },
+  ], { xLabel: "trainer step", yZero: true });
   document.getElementById("events").innerHTML = evictions.map(e =>
     `<li><time>${fmt(e.time_s, 0)} s</time>${esc(e.worker)} evicted: ${esc(e.reason)}</li>`).join("") ||
     "<li>none</li>";
