@@ -66,7 +66,7 @@ class Lease:
     prompts: list[Prompt]
     seeds: list[list[int]]  # per prompt, G seeds
     deadline: float
-    granted_at: float = 0.0  # monotonic; with Group's times, where a batch's time went (batch stats)
+    granted_at: float  # monotonic; with Group's times, where a batch's time went (batch stats)
 
 
 @dataclass
@@ -76,9 +76,9 @@ class Group:
     worker: str
     completions: list[Completion]
     rewards: list[float]
-    granted_at: float = 0.0    # monotonic: its lease was handed out,
-    submitted_at: float = 0.0  # its rollouts arrived,
-    verified_at: float = 0.0   # they passed verification (and were scored)
+    granted_at: float    # monotonic: its lease was handed out,
+    submitted_at: float  # its rollouts arrived,
+    verified_at: float   # they passed verification (and were scored)
 
 
 @dataclass
