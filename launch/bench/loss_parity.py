@@ -55,6 +55,7 @@ SWEPT = {
     "mode": ("diloco.mode", str),
     "eager": ("diloco.eager", str),
     "overlap_steps": ("diloco.overlap_steps", int),
+    "inner_optimizer": ("diloco.inner_optimizer", str),
     "warmup": ("optim.warmup_steps", int),
     "batch_mult": (None, int),  # the per-replica batch, in multiples of the config's (baselines follow it)
 }
@@ -174,7 +175,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     rows = sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"]))
     short = {"inner_steps": "H", "outer_lr": "lr", "outer_momentum": "mom", "mode": "", "eager": "eager",
-             "overlap_steps": "tau",
+             "overlap_steps": "tau", "inner_optimizer": "AdamW",
              "warmup": "warm-up", "batch_mult": "batch x"}
     varied = {k for k in SWEPT if len({r.get(k) for r in rows if r["kind"] == "diloco"}) > 1}
     labels = [_label(r) if r["kind"] != "diloco" else _label(r) + ": " + " ".join(

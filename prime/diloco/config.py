@@ -48,6 +48,10 @@ class DilocoConfig(BaseModel):
                            "pseudo-gradient for its share and the others' from the last step for theirs (the eager "
                            "update of Kale et al. 2025; one more fp32 copy of the model per rank). The average, "
                            "once decided, replaces the estimate: the outer state stays the same on every node.")
+    inner_optimizer: Literal["keep", "reset"] = Field(
+        "keep", description="blocking: what becomes of the inner AdamW state (moments and step count) at an outer "
+                            "step. keep: it goes on across rounds. reset: it starts afresh every round (moments "
+                            "zero, bias correction from step 0); the learning-rate schedule is unaffected.")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
     compression: Literal["int8", "bf16", "none"] = Field(
@@ -90,6 +94,10 @@ class DilocoConfig(BaseModel):
             raise ValueError(f"diloco.overlap_steps {self.overlap_steps} is over diloco.inner_steps "
                              f"{self.inner_steps}: an outer step must be applied before the same "
                              "part of the model is synchronised again")
+        if self.inner_optimizer == "reset" and self.mode != "blocking":
+            raise ValueError("diloco.inner_optimizer reset is for the blocking mode only: in delayed and streaming "
+                             "modes the inner steps run on while an outer step is in flight, so there is no "
+                             "moment between rounds to reset at")
         return self
 
     @property

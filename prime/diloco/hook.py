@@ -201,6 +201,8 @@ class DilocoHook:
             return self._out_of_step(trainer, exchange)
         self.faults.decided(step)
         self.outer.step(exchange.result.mean, shards)
+        if self.config.inner_optimizer == "reset":
+            trainer.optimizer.state.clear()  # AdamW builds fresh moments (and step 0) at its next step
         self._settle_data(trainer, "committed" if exchange.contributed else "rewind")
         if exchange.contributed:
             self.tokens_contributed += trainer.tokens_seen - self._tokens_at_sync

@@ -96,6 +96,20 @@ def test_replicas_on_the_same_data_with_a_plain_outer_step_are_one_node(tmp_path
     _assert_same_weights(weights["node0"], weights["one"], initial)
     _assert_same_weights(weights["node1"], weights["one"], initial)
 
+    # Resetting the inner AdamW at every outer step: the replicas still agree (the state is rebuilt alike
+    # everywhere), and the second round starts from fresh moments, so the weights are no longer one node's.
+    with LocalCluster(tmp_path / "reset", "configs/debug.toml", diloco + ["--diloco.inner_optimizer", "reset"],
+                      coordinator_args=["--lease-s", "5", "--min-wait-s", "5"]) as c:
+        c.run_nodes(["node0", "node1"], 180)
+    reset = {}
+    for name in ("node0", "node1"):
+        model = build_model(config.model, 0)
+        CheckpointStore.load_model(tmp_path / "reset" / name / "checkpoints" / "step_00000010", model)
+        reset[name] = model.state_dict()
+    _assert_same_weights(reset["node0"], reset["node1"], initial)
+    moved = max((reset["node0"][k] - weights["one"][k]).abs().max().item() for k in initial)
+    assert moved > 1e-4, f"inner_optimizer reset changed nothing (largest difference {moved:.2e})"
+
 
 def test_the_rl_policy_step_over_two_ranks_is_the_step_of_one_process(tmp_path):
     from prime.inference.hf_engine import load_hf_policy

@@ -44,6 +44,7 @@ def test_eager_takes_its_modes_and_the_old_booleans(text, eager):
     ({"diloco.mode": "overlapped"}, "diloco.mode"),
     ({"diloco.pace": "1.5"}, "diloco.pace"),
     ({"diloco.eager": "average"}, "diloco.eager"),
+    ({"diloco.mode": "delayed", "diloco.inner_optimizer": "reset"}, "diloco.inner_optimizer reset is for the blocking"),
     ({"data.interleave": "0"}, "data.interleave"),
 ])
 def test_bad_values_are_named(overrides, expected):
