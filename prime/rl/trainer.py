@@ -150,16 +150,20 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             step += 1
             trained = time.monotonic()
-            store.save(step, model, optimizer, {"step": step}, {})
-            saved = time.monotonic()
+            # Published before the checkpoint is taken: every worker waits for the new version, nobody for
+            # the checkpoint. A trainer killed in between resumes from the step before, trains this step
+            # again on the same batch (the orchestrator keeps it) and finds this version already published.
             published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, publish_dtype,
                                             published)
+            published_at = time.time()
+            publishing_done = time.monotonic()
+            store.save(step, model, optimizer, {"step": step}, {})
             if rank != 0:
                 continue
             elapsed = time.monotonic() - started
             record = {"step": step, "time_s": round(elapsed, 3), "train_s": round(time.monotonic() - began, 4),
-                      "update_s": round(trained - began, 4), "save_s": round(saved - trained, 4),
-                      "publish_s": round(time.monotonic() - saved, 4), "published_at": round(time.time(), 3),
+                      "update_s": round(trained - began, 4), "publish_s": round(publishing_done - trained, 4),
+                      "save_s": round(time.monotonic() - publishing_done, 4), "published_at": round(published_at, 3),
                       "idle_fraction": round(idle_s / max(elapsed, 1e-9), 4),
                       **{k: v for k, v in batch["stats"].items() if k != "prompt_numbers"}, **stats}
             metrics.write(json.dumps(record) + "\n")
