@@ -34,12 +34,12 @@ BATCH_PATH = ("leased_to_arrived_s", "arrived_to_verified_s", "verified_to_batch
 
 
 def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int,
-              publish_dtype: str) -> dict:
+              publish_dtype: str, prompts_per_lease: int) -> dict:
     hosts = ["coordinator", "orchestrator", "trainer", *WORKERS]
     with WanTopology(hosts, link) as wan:
         cluster = RLCluster(out, policy, wan=wan, orchestrator_sets=[
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
-            "prompts_per_lease=8"],
+            f"prompts_per_lease={prompts_per_lease}"],
             trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}"])
         with cluster:
             cluster.start(WORKERS)
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--publish-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the precision policy versions travel in (the trainer's publish_dtype; default "
                         "float32, as the trainer's)")
+    parser.add_argument("--prompts-per-lease", type=int, default=8,
+                        help="prompts in one worker lease (the orchestrator's prompts_per_lease; default 8)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for level in levels:
         shutil.rmtree(root / f"async{level}", ignore_errors=True)
-        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype)
+        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype,
+                           args.prompts_per_lease)
         results.append(result)
         print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
               f"versions in {args.publish_dtype}): "
