@@ -4,10 +4,10 @@ engine of elastic_mesh, for a joiner's snapshot from its peers and for a broadca
 Each chunk is checked against the manifest before it is kept; a bad or missing chunk is taken from
 another source, and a source that fails or lies too often is dropped for the rest of the download.
 Sources are chosen by measured throughput (sources.py), chunks rarest first among the holders, and
-the last chunks in flight are asked of a second source too (whichever answers first wins), so one
-slow source cannot hold up the end. A peer still fetching the same version also gets a standing
-request for any chunk this side lacks, answered the moment the peer verifies one: a small version
-crosses each relay at the speed of its links, not of the coordinator's holder lists. Verified chunks
+the last chunks in flight are asked of a second source too once they are late (whichever answers
+first wins), so one slow source cannot hold up the end. A peer still fetching the same version also
+gets a standing request for any chunk this side lacks, answered the moment the peer verifies one: a
+small version crosses each relay at the speed of its links, not of the coordinator's holder lists. Verified chunks
 stay on disk (chunk_dir.py), so a restarted download resumes instead of starting over. Nothing is unpickled: the manifest is JSON, the tensors
 raw bytes. Requests carry the run's transfer key.
 """
@@ -141,6 +141,18 @@ class ChunkFetcher:
         return manifest, target.tensors(), report
 
 
+ENDGAME_MIN_S = 0.25    # a chunk in flight at least this long may be asked of a second source
+ENDGAME_FIRST_S = 1.0   # ... before any chunk of the download has arrived to tell the usual pace
+
+
+def endgame_patience(took: list[float]) -> float:
+    """How long a chunk's request may be in flight before the endgame asks a second source too: three
+    times the median time a chunk of this download has taken so far (a late one, not the usual pace)."""
+    if not took:
+        return ENDGAME_FIRST_S
+    return max(ENDGAME_MIN_S, 3 * sorted(took)[len(took) // 2])
+
+
 def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir, kind: str,
              holders: Callable[[], dict[str, bytes | None]], picker: SourcePicker, report: FetchReport,
              streams: int, stall_s: float = 0.0, on_verified: Callable[[int], None] | None = None,
@@ -165,12 +177,15 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     rng = random.Random(seed)
     cond = threading.Condition()
     in_flight: dict[int, set[str]] = {}
+    asked_at: dict[int, float] = {}  # chunk -> when its (first) request in flight went out
+    took: list[float] = []  # seconds each chunk of this download took, for the endgame's patience
     excluded: dict[int, set[str]] = {}  # chunk -> sources that failed it or sent bad bytes
     errors: list[str] = []
     last_progress = [time.monotonic()]
     seeding = [0]  # seeded requests in flight (their chunk is known only when they answer)
     standing: set[str] = set()  # peers holding one of this download's standing requests
     waiting: set[threading.Thread] = set()  # the streams whose request is a standing one
+    asking: dict[threading.Thread, int] = {}  # the streams asking for one named chunk: which
     order = list(range(n))
     rng.shuffle(order)  # ties in rarity broken differently by every member, so they fetch different chunks
 
@@ -184,8 +199,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         last_resort = seeders() if seeders else set()
         missing = [i for i in order if i not in held]
         fresh = [i for i in missing if i not in in_flight]
-        # Endgame: every missing chunk is in flight; ask a second source for one, first answer wins.
-        pool = fresh or [i for i in missing if len(in_flight.get(i, ())) == 1]
+        # Endgame: every missing chunk is in flight; ask a second source for one that is late, first answer
+        # wins. Only a late one: on links that every chunk shares, a duplicate of one on its way at the
+        # usual pace costs the uplink it comes from (often the origin's) and this side's downlink as
+        # much as the chunk itself, and ends no sooner.
+        now = time.monotonic()
+        patience = endgame_patience(took)
+        pool = fresh or [i for i in missing if len(in_flight.get(i, ())) == 1
+                         and now - asked_at.get(i, now) >= patience]
         ranked = []
         for index in pool:
             have = [s for s in usable if bitmap_has(where[s], index) and s not in excluded.get(index, ())
@@ -202,6 +223,8 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 # Only seeders hold it: let the seeder choose among every such chunk (super-seeding).
                 only_there = [i for r, i, h in ranked if r == 0 and source in h]
                 return only_there, source, 0.0
+            if index not in in_flight:
+                asked_at[index] = time.monotonic()
             in_flight.setdefault(index, set()).add(source)
             return index, source, 0.0
         peers = [s for s in usable if wait_s and fresh and where[s] is not None and s not in last_resort
@@ -237,9 +260,12 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                         seeding[0] += 1
                     if wait:
                         waiting.add(threading.current_thread())
+                    elif not isinstance(chunk, list):
+                        asking[threading.current_thread()] = chunk
                 try:
                     fetch_one(own, chunk, source, wait)
                 finally:
+                    asking.pop(threading.current_thread(), None)
                     if isinstance(chunk, list):
                         with cond:
                             if wait:
@@ -259,6 +285,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 in_flight[index].discard(source)
                 if not in_flight[index]:
                     del in_flight[index]
+                    asked_at.pop(index, None)
             if outcome in ("failed", "corrupt") and index is not None:
                 excluded.setdefault(index, set()).add(source)
             if outcome == "failed":
@@ -275,7 +302,10 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         started = time.monotonic()
         seeded = isinstance(chunk, list)
         with cond:
-            relayed = bool(standing)
+            # Peers fetching the same version (any holder not a seeder, whatever it holds yet): a chunk the
+            # seeder sent one of them comes on from them, so the seeder's uplink carries each chunk once.
+            last_resort = seeders() if seeders else set()
+            relayed = bool(standing) or any(s not in last_resort for s in holders())
         index = None if seeded else chunk
         if seeded:
             bits = bytearray((n + 7) // 8)
@@ -284,7 +314,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
             path = f"/v1/{kind}/{target.version}/fresh/{base64.urlsafe_b64encode(bytes(bits)).decode().rstrip('=')}"
             if wait:
                 path += f"?wait_ms={int(wait * 1000)}"
-            elif relayed:  # peers are fetching too: a chunk the seeder sent one of them comes from them
+            elif relayed:
                 path += "?only_new=1"
         else:
             path = f"/v1/{kind}/{target.version}/chunk/{index}"
@@ -315,6 +345,9 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 on_bad(source, index, "sha256 mismatch")
             return
         picker.done(source, len(data), time.monotonic() - started)
+        if not wait:  # a standing request's time is mostly its wait for the peer
+            with cond:
+                took.append(time.monotonic() - started)
         log.debug("%s %d chunk %d from %s in %.3f s%s", kind, target.version, index, source,
                   time.monotonic() - started, " (seeded)" if seeded else "")
         fresh = target.put(index, data)
@@ -329,13 +362,15 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     for t in threads:
         t.start()
     # Done when complete (or failed), not when every stream is back: a standing request may wait at a
-    # peer for seconds more, and its late answer changes nothing (put() keeps the first copy). Every
-    # other request ends within one answer: those are waited for, so their connections are back in
-    # the caller's pool for the next version (and no stream of this download outlives it for long).
+    # peer for seconds more, and a late request that lost the endgame's race may take as long; their
+    # answers change nothing (put() keeps the first copy). Every other request ends within one answer:
+    # those are waited for, so their connections are back in the caller's pool for the next version
+    # (and no stream of this download outlives it for long).
     with cond:
         while not (errors or target.complete) and any(t.is_alive() for t in threads):
             cond.wait(0.05)
-        others = [t for t in threads if t not in waiting]
+        held = target.held()
+        others = [t for t in threads if t not in waiting and asking.get(t) not in held]
     for t in others:
         t.join(timeout_s)
     if errors and not target.complete:

@@ -392,3 +392,41 @@ def test_a_seeder_sends_one_requester_a_chunk_once_however_many_streams_ask():
         assert server.least_sent("snapshot", snapshot, everything, requester="10.0.0.1") is not None
     finally:
         server.stop()
+
+
+def _requests_counted(servers, slow: dict[int, float], pace_s: float) -> list[int]:
+    """Every chunk request the servers see, in order; the first request of each chunk in `slow` takes
+    that long (a source that stalls on it), every other pace_s (a link)."""
+    asked: list[int] = []
+    lock = threading.Lock()
+
+    def before(kind, version, index):
+        with lock:
+            first = index not in asked
+            asked.append(index)
+        time.sleep(slow.get(index, pace_s) if first else pace_s)
+
+    for s in servers:
+        s.before_chunk = before
+    return asked
+
+
+def test_the_endgame_asks_a_second_source_only_for_a_late_chunk(tmp_path):
+    """The last chunks in flight at the usual pace are not asked again elsewhere (a duplicate costs the
+    links as much as the chunk); one that is late is, and the download does not wait for its source."""
+    servers = serve(2)
+    try:
+        asked = _requests_counted(servers, {}, pace_s=0.1)
+        _, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path / "even").fetch("snapshot")
+        assert_state(tensors)
+        assert sorted(asked) == list(range(report.chunks))  # each chunk asked for once
+
+        asked = _requests_counted(servers, {3: 5.0}, pace_s=0.05)
+        started = time.monotonic()
+        _, tensors, report = ChunkFetcher(addresses(servers), KEY, tmp_path / "stall").fetch("snapshot")
+        assert_state(tensors)
+        assert time.monotonic() - started < 3.0, (asked, report)  # not held up by the stalled request of chunk 3
+        assert asked.count(3) == 2
+    finally:
+        for s in servers:
+            s.stop()
