@@ -42,11 +42,14 @@ def calibrate(policy: Path, args: list[str] | None = None) -> Path:
 
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
-                 trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1) -> None:
+                 trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1,
+                 placement: dict[str, str] | None = None) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
-        orchestrator, trainer, worker names): each process runs in its host's namespace. trainer_ranks:
-        local ranks of the trainer (more than 1: torchrun, FSDP2)."""
+        orchestrator, trainer, worker names): each process runs in its host's namespace. placement: role ->
+        the WAN host it runs on where that is not the host of its own name (roles sharing a host share its
+        access link). trainer_ranks: local ranks of the trainer (more than 1: torchrun, FSDP2)."""
         self.run_dir, self.policy, self.wan, self.trainer_ranks = Path(run_dir), Path(policy), wan, trainer_ranks
+        self.placement = dict(placement or {})
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
@@ -58,11 +61,11 @@ class RLCluster:
         return self.run_dir / "coordinator"
 
     def host(self, name: str) -> str:
-        return self.wan.address(name) if self.wan else "127.0.0.1"
+        return self.wan.address(self.placement.get(name, name)) if self.wan else "127.0.0.1"
 
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "a", encoding="utf-8")
-        prefix = self.wan.exec_prefix(name) if self.wan else []
+        prefix = self.wan.exec_prefix(self.placement.get(name, name)) if self.wan else []
         proc = subprocess.Popen(prefix + cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
                                 start_new_session=True)
         log.close()

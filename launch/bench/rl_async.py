@@ -34,10 +34,13 @@ BATCH_PATH = ("leased_to_arrived_s", "arrived_to_verified_s", "verified_to_batch
 
 
 def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int,
-              publish_dtype: str, prompts_per_lease: int) -> dict:
-    hosts = ["coordinator", "orchestrator", "trainer", *WORKERS]
+              publish_dtype: str, prompts_per_lease: int, trusted_together: bool = False) -> dict:
+    # trusted_together: the trainer and the orchestrator on one host (one datacenter behind one access link);
+    # otherwise each behind its own, as every other role.
+    placement = {"trainer": "trusted", "orchestrator": "trusted"} if trusted_together else {}
+    hosts = ["coordinator", *(["trusted"] if trusted_together else ["orchestrator", "trainer"]), *WORKERS]
     with WanTopology(hosts, link) as wan:
-        cluster = RLCluster(out, policy, wan=wan, orchestrator_sets=[
+        cluster = RLCluster(out, policy, wan=wan, placement=placement, orchestrator_sets=[
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
             f"prompts_per_lease={prompts_per_lease}"],
             trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}"])
@@ -86,7 +89,14 @@ def _version_path(trainer: list[dict], loaded: list[dict], workers: list[dict]) 
     def median_lag(at: dict[int, float]) -> float | None:
         lags = sorted(t - published[v] for v, t in at.items() if v in published)
         return round(lags[len(lags) // 2], 3) if lags else None
-    return {"to_orchestrator_s": median_lag({e["version"]: e["loaded_at"] for e in loaded if "loaded_at" in e}),
+
+    def median_each(name: str) -> float | None:  # over every (worker, version)
+        lags = sorted(t - published[int(v)] for w in workers for v, t in w.get(name, {}).items()
+                      if int(v) in published)
+        return round(lags[len(lags) // 2], 3) if lags else None
+    return {"announced_at_workers_s": median_each("announced_at"), "fetched_at_workers_s": median_each("fetched_at"),
+            "usable_at_workers_s": median_each("loaded_at"),
+            "to_orchestrator_s": median_lag({e["version"]: e["loaded_at"] for e in loaded if "loaded_at" in e}),
             "to_workers_s": median_lag({int(v): max(w["loaded_at"][v] for w in workers if v in w.get("loaded_at", {}))
                                         for v in set().union(*(w.get("loaded_at", {}) for w in workers))})}
 
@@ -106,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                         "float32, as the trainer's)")
     parser.add_argument("--prompts-per-lease", type=int, default=8,
                         help="prompts in one worker lease (the orchestrator's prompts_per_lease; default 8)")
+    parser.add_argument("--trusted-together", action="store_true",
+                        help="run the trainer and the orchestrator on one host behind one access link (both "
+                        "trusted: one datacenter); default: each behind its own, like every other role")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -118,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     for level in levels:
         shutil.rmtree(root / f"async{level}", ignore_errors=True)
         result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype,
-                           args.prompts_per_lease)
+                           args.prompts_per_lease, args.trusted_together)
         results.append(result)
         print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
+              + ("trainer and orchestrator on one host, " if args.trusted_together else "") +
               f"versions in {args.publish_dtype}): "
               f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
               f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
@@ -128,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
               f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
         print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
-              f"both workers {_s(result['to_workers_s'], 2)} (median); trainer per step: "
+              f"both workers {_s(result['to_workers_s'], 2)} (median; at a worker: announced "
+              f"{_s(result['announced_at_workers_s'], 2)}, fetched {_s(result['fetched_at_workers_s'], 2)}, usable "
+              f"{_s(result['usable_at_workers_s'], 2)}); trainer per step: "
               + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
               + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
                                                for k, v in result["worker_time"].items()), flush=True)

@@ -60,7 +60,10 @@ class HeldPolicy:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.coming = -1  # the version the follower is downloading now, if any
-        self.loaded_at: dict[int, float] = {}  # version -> wall clock when it could generate (for the benchmark)
+        # version -> wall clock when it was announced here, fetched (verified), could generate (for the benchmark)
+        self.announced_at: dict[int, float] = {}
+        self.fetched_at: dict[int, float] = {}
+        self.loaded_at: dict[int, float] = {}
 
     def load(self, directory: Path, version: int, fetch_s: float | None = None) -> None:
         with self.lock:
@@ -105,9 +108,12 @@ class HeldPolicy:
     def _announced(self, manifest: dict) -> None:
         with self.changed:
             self.coming = int(manifest["version"])
+            self.announced_at[self.coming] = time.time()
             self.changed.notify_all()
 
     def _fetched(self, target, report) -> None:
+        with self.lock:
+            self.fetched_at[target.version] = time.time()
         try:
             self.load(write_policy(target, self.root), target.version, report.seconds)
         finally:
@@ -279,7 +285,8 @@ class WorkerClock:
     launch/bench/rl_async.py): generating (busy_s), asking for a lease that came (lease_s) or did not
     (waiting_s), waiting for the answer to the previous submission before sending the next (submit_s:
     the orchestrator verifies before it answers; sent in the background meanwhile), fetching a version
-    it was told to (fetching_s), and when each version became usable here (loaded_at, wall clock)."""
+    it was told to (fetching_s), and when each version was announced, fetched and usable here
+    (announced_at, fetched_at, loaded_at: wall clock)."""
 
     def __init__(self, path: Path, held: HeldPolicy) -> None:
         self.path, self.held = path, held
@@ -291,10 +298,11 @@ class WorkerClock:
 
     def write(self) -> None:
         with self.held.lock:
-            loaded = dict(sorted(self.held.loaded_at.items())[-1000:])
+            times = {name: dict(sorted(getattr(self.held, name).items())[-1000:])
+                     for name in ("announced_at", "fetched_at", "loaded_at")}
         staging = self.path.with_suffix(".json.tmp")
         staging.write_text(json.dumps({"rollouts": self.rollouts, "seconds": round(time.monotonic() - self.started, 3),
-                                       **{k: round(v, 3) for k, v in self.seconds.items()}, "loaded_at": loaded}))
+                                       **{k: round(v, 3) for k, v in self.seconds.items()}, **times}))
         staging.replace(self.path)
 
     def summary(self) -> str:
