@@ -6,8 +6,9 @@ kernel has it, else the user-space TUN emulator; the output says which), every h
 access link (--latency-ms one way, --mbit up and down). Each level starts afresh from the same fresh
 policy (seed --seed, thresholds measured once) and runs until the held-out reward reaches 0.95 or
 --budget-s passes. Reported per level: time to held-out reward 0.9, trainer idle fraction, worker idle
-fraction, mean and max staleness of the batches, final held-out reward, the trainer's mean step time and
-the workers' mean time to fetch a version. A PNG of reward against time. Last line:
+fraction, how busy the machine's CPUs were, mean and max staleness of the batches, final held-out reward,
+the trainer's mean step time, the workers' mean time to fetch a version and when a version was announced,
+fetched and usable at them. A PNG of reward against time. Last line:
 
     rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
 
@@ -46,9 +47,10 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}"])
         with cluster:
             cluster.start(WORKERS)
-            started = time.monotonic()
+            started, cpu_before = time.monotonic(), _cpu_times()
             while cluster.procs["orchestrator"].poll() is None and time.monotonic() - started < budget_s:
                 time.sleep(1.0)
+            cpu_busy = _busy_fraction(cpu_before, _cpu_times())
             timed_out = cluster.procs["orchestrator"].poll() is None
             if not timed_out:
                 for name in WORKERS:
@@ -60,7 +62,7 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
     fetches = [float(m) for n in WORKERS for m in re.findall(r"fetched in ([0-9.]+) s", cluster.log(n))]
     return {"level": level, "backend": backend, "time_to_0.9_s": reached, "timed_out": timed_out,
             "final_reward": evals[-1]["eval_reward"] if evals else None, "versions": len(trainer),
-            "trainer_idle": trainer[-1]["idle_fraction"] if trainer else None,
+            "trainer_idle": trainer[-1]["idle_fraction"] if trainer else None, "cpu_busy": cpu_busy,
             "worker_idle": 1 - sum(w["busy_s"] for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9)
             if workers else None,
             "staleness_mean": sum(b["staleness_mean"] for b in batches) / max(len(batches), 1),
@@ -74,6 +76,18 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             "trainer_time": {k: round(_mean(r.get(k) for r in trainer), 4) for k in ("update_s", "save_s", "publish_s")},
             "batch_path": {k: round(_mean(b.get(k) for b in batches), 3) for k in BATCH_PATH},
             "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of this machine's CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
+
+
+def _busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """How busy every CPU of the machine was between two _cpu_times() (every process, not only the run's)."""
+    total = after[1] - before[1]
+    return round(1 - (after[0] - before[0]) / total, 3) if total > 0 else 0.0
 
 
 def _mean(values) -> float:
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
               f"versions in {args.publish_dtype}): "
               f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
               f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
-              f"{_pct(result['worker_idle'])}, staleness mean {result['staleness_mean']:.2f} max "
+              f"{_pct(result['worker_idle'])}, CPUs busy {_pct(result['cpu_busy'])}, staleness mean "
+              f"{result['staleness_mean']:.2f} max "
               f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
               f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
         print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
