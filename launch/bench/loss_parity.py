@@ -178,7 +178,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
              "overlap_steps": "tau", "inner_optimizer": "AdamW",
              "warmup": "warm-up", "batch_mult": "batch x"}
     varied = {k for k in SWEPT if len({r.get(k) for r in rows if r["kind"] == "diloco"}) > 1}
-    labels = [_label(r) if r["kind"] != "diloco" else _label(r) + ": " + " ".join(
+    # A baseline's own settings, where the baselines differ in them (warm-up, batch): else two bars read alike.
+    base_varied = [k for k in ("warmup", "batch_mult") if len({r.get(k) for r in rows if r["kind"] != "diloco"}) > 1]
+    labels = [_label(r) + "".join(f", {short[k]}={r.get(k)}" for k in base_varied) if r["kind"] != "diloco"
+              else _label(r) + ": " + " ".join(
               f"{short[k]}{'=' if short[k] else ''}{r[k]}" for k in SWEPT if k in r and (k in varied or k in
                                                                                         ("inner_steps", "outer_lr",
                                                                                          "outer_momentum")))
