@@ -34,7 +34,12 @@ from elastic_mesh.transfer.chunks import (
     lay_out,
     root_hash,
 )
-from elastic_mesh.transfer.fetcher import FetchReport, download, get_chunk
+from elastic_mesh.transfer.fetcher import (
+    FetchReport,
+    download,
+    get_chunk,
+    stream_chunks,
+)
 from elastic_mesh.transfer.server import ChunkServer
 from elastic_mesh.transfer.sources import SourcePicker
 
@@ -66,6 +71,10 @@ class BroadcastSettings(BaseModel):
                                    "that is fetching the same version, to be answered with the first chunk it "
                                    "verifies that this member lacks (0: none; chunks then go on from a relay only "
                                    "once the coordinator's holder list names them).")
+    stream: bool = Field(True, description="Ask a seeder for its chunks in one streamed answer, and keep a "
+                         "standing stream open to every peer fetching the same version, over which it sends each "
+                         "chunk it took from the seeder as soon as it has verified it (False: one request per "
+                         "chunk, and a standing request answers with one chunk).")
     upload_slots: int = Field(4, ge=1, le=64, description="Chunks this member sends at once; more requests are "
                               "told to ask elsewhere (a seeder that serves everyone at once finishes no chunk soon).")
     chunk_mb: float = Field(0.5, gt=0, le=256, description="Publishing: the chunk size, MiB. Smaller chunks let "
@@ -109,6 +118,9 @@ class BroadcastMember:
         self._stop = threading.Event()
         # Kept across downloads: the peers of one version are mostly those of the next.
         self._conns = KeptConnections(self.settings.timeout_s, self.client.tls)
+        # Peers that fetched the last version with this member: most fetch the next one too, so a download
+        # opens its standing streams to them at once, before the coordinator's holder list names them.
+        self._recent_peers: set[str] = set()
         self.server: ChunkServer | None = None
         if serve:
             # The server keeps what the member tells it to (retention below), plus a version read in the last
@@ -221,7 +233,7 @@ class BroadcastMember:
         report.resumed_chunks = target.resume()
         if self.server is not None:
             self._hold(version, target)
-        view = _HolderView(self, version, only, holders)
+        view = _HolderView(self, version, only, holders, guessed=self._recent_peers if self.settings.stream else set())
         done = [len(target.held())]
 
         def verified_one(index: int) -> None:
@@ -245,12 +257,16 @@ class BroadcastMember:
                      view, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
                      seeders=lambda: view.origins, tls=self.client.tls, conns=self._conns,
-                     wait_s=s.standing_wait_s)
+                     wait_s=s.standing_wait_s,
+                     stream=(lambda src, path, conns, size_of: stream_chunks(self.key, s.timeout_s, src, path, conns,
+                                                                             size_of))
+                     if s.stream else None)
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
                                  "for the next try") from None
         finally:
             view.stop()
+            self._recent_peers = set(view.current) - view.origins
         report.seconds = time.monotonic() - started
         self._dirty.set()
         self._retire()
@@ -367,8 +383,10 @@ class _HolderView:
     only load the coordinator); the download asks it before every choice."""
 
     def __init__(self, member: BroadcastMember, version: int, only: Callable[[dict], bool] | None,
-                 known: list[dict] | None = None) -> None:
-        self.member, self.version, self.only = member, version, only
+                 known: list[dict] | None = None, guessed: set[str] = frozenset()) -> None:
+        """guessed: peers likely to fetch this version too, named with nothing held until the coordinator
+        names them (a standing stream to one waits at it for the version to appear)."""
+        self.member, self.version, self.only, self.guessed = member, version, only, set(guessed)
         self.current: dict[str, bytes | None] = {}
         self.origins: set[str] = set()  # publishers: asked only for chunks nobody else holds
         self._stop = threading.Event()
@@ -389,7 +407,9 @@ class _HolderView:
         self._take(answer["holders"])
 
     def _take(self, answered: list[dict]) -> None:
-        holders = [h for h in answered
+        named = {h["address"] for h in answered}
+        guessed = [{"address": a, "origin": False, "chunks": ""} for a in self.guessed - named]
+        holders = [h for h in [*answered, *guessed]
                    if h["address"] != self.member.address and (self.only is None or self.only(h))]
         self.origins = {h["address"] for h in holders if h["origin"]}
         self.current = {h["address"]: None if h["chunks"] == "all" else base64.b64decode(h["chunks"]) for h in holders}

@@ -16,6 +16,8 @@ import http.client
 import ssl
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 IDLE_S = 20.0  # under the 30 s the coordinator's and snapshot servers' handlers wait for a next request
 
@@ -49,6 +51,47 @@ class KeptConnections:
             raise
         self._give_back(address, conn, response.will_close)
         return response.status, data
+
+    @contextmanager
+    def streaming(self, address: str, method: str, path: str,
+                  headers: dict[str, str] | None = None) -> Iterator[http.client.HTTPResponse]:
+        """One request whose response the caller reads as it arrives (a stream of frames). The connection
+        is kept only if the caller read the body to its end; one left early is closed."""
+        conn, reused = self._take(address)
+        try:
+            conn.request(method, path, headers=headers or {})
+            response = conn.getresponse()
+        except (http.client.HTTPException, ConnectionError):
+            conn.close()
+            if not reused:
+                raise
+            with self._lock:
+                stale = self._idle.pop(address, [])
+            for old, _ in stale:
+                old.close()
+            conn, _ = self._take(address)  # closed by the server while idle: once more on a fresh one
+            try:
+                conn.request(method, path, headers=headers or {})
+                response = conn.getresponse()
+            except BaseException:
+                conn.close()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            yield response
+        except BaseException:
+            # An answer read to its end (a refusal such as 204 or 503, say) leaves the connection usable.
+            if response.isclosed():
+                self._give_back(address, conn, response.will_close)
+            else:
+                conn.close()
+            raise
+        if response.isclosed():
+            self._give_back(address, conn, response.will_close)
+        else:
+            conn.close()
 
     def _fresh_request(self, address: str, method: str, path: str, body: bytes | None,
                        headers: dict[str, str] | None) -> tuple[int, bytes]:

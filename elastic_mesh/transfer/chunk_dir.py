@@ -26,6 +26,7 @@ class ChunkDir:
         self.version = int(manifest["version"])
         self.expected = expected or [{c["sha256"]} for c in manifest["chunks"]]
         self._held: set[int] = set()
+        self._seeded: set[int] = set()  # taken from a seeder (not from a peer): the share this member relays
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a chunk was stored: wakes a relay's waiting requests
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -56,8 +57,9 @@ class ChunkDir:
         return len(data) == self.manifest["chunks"][index]["size"] and \
             hashlib.sha256(data).hexdigest() in self.expected[index]
 
-    def put(self, index: int, data: bytes) -> bool:
-        """Stores a chunk that matches; False if another stream stored it first."""
+    def put(self, index: int, data: bytes, seeded: bool = False) -> bool:
+        """Stores a chunk that matches; False if another stream stored it first. seeded: it came from a
+        seeder (a broadcast's origin), so this member is the one that relays it to its peers."""
         staging = self.directory / f".chunk_{index:06d}.{threading.get_ident()}.tmp"
         with self._lock:
             if index in self._held:
@@ -67,8 +69,21 @@ class ChunkDir:
         with self._arrived:
             fresh = index not in self._held
             self._held.add(index)
+            if fresh and seeded:
+                self._seeded.add(index)
             self._arrived.notify_all()
         return fresh
+
+    def wait_for_more(self, than: int, timeout_s: float) -> bool:
+        """Whether more than `than` chunks are held, waiting up to timeout_s for another to arrive."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while len(self._held) <= than:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(left)
+            return True
 
     def wait_for_any(self, wanted: bytes, timeout_s: float) -> bool:
         """Whether some chunk in the bitmap `wanted` is held, waiting up to timeout_s for one to arrive."""
@@ -91,6 +106,10 @@ class ChunkDir:
     def held(self) -> set[int]:
         with self._lock:
             return set(self._held)
+
+    def seeded(self) -> set[int]:
+        with self._lock:
+            return set(self._seeded)
 
     @property
     def complete(self) -> bool:

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -68,13 +68,46 @@ def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptCon
     finally:
         if conns is None:
             kept.close()
+    if status != 200:
+        _refused(status, body, source, path)
+    return body
+
+
+def _refused(status: int, body: bytes, source: str, path: str) -> None:
+    """Raises what a chunk request's answer other than 200 means."""
     if status == 503:
         raise SourceBusy(f"{source}: busy")
     if status == 204:
         raise NothingYet(f"{source}: none of the wanted chunks arrived there meanwhile")
-    if status != 200:
-        raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
-    return body
+    raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
+
+
+FRAME_HEAD = struct.Struct(">qq")  # a streamed chunk's index and size, then its bytes (server.py)
+
+
+def stream_chunks(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections,
+                  size_of: Callable[[int], int | None]) -> Iterator[tuple[int, bytes]]:
+    """The (index, bytes) frames of one streamed request (…/fresh/<bitmap>?stream=1) as they arrive. A
+    frame whose size is not size_of(index) (None: no such chunk) ends the stream before its bytes are
+    read, so a lying source cannot make this side buffer more than a chunk; the caller checks each
+    chunk's hash. Raises as get_chunk does."""
+    try:
+        with conns.streaming(source, "GET", path, headers={KEY_HEADER: key}) as response:
+            if response.status != 200:
+                _refused(response.status, response.read(), source, path)
+            while head := response.read(FRAME_HEAD.size):
+                if len(head) < FRAME_HEAD.size:
+                    raise TransferError(f"{source}: a stream cut inside a frame's head")
+                index, size = FRAME_HEAD.unpack(head)
+                if size != size_of(index):
+                    raise TransferError(f"{source}: a streamed frame of chunk {index} with {size} bytes, "
+                                        f"not the manifest's {size_of(index)}")
+                data = response.read(size)
+                if len(data) < size:
+                    raise TransferError(f"{source}: a stream cut inside chunk {index}")
+                yield index, data
+    except http.client.HTTPException as e:  # e.g. the source vanished mid-stream (IncompleteRead)
+        raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
 
 
 class ChunkFetcher:
@@ -159,7 +192,9 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
              on_bad: Callable[[str, int, str], None] | None = None, timeout_s: float = 30.0,
              seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
              tls: ssl.SSLContext | None = None, conns: KeptConnections | None = None,
-             wait_s: float = 0.0) -> None:
+             wait_s: float = 0.0,
+             stream: Callable[[str, str, KeptConnections, Callable[[int], int | None]],
+                              Iterator[tuple[int, bytes]]] | None = None) -> None:
     """Fetches every chunk `target` lacks, `streams` at a time, until it is complete.
 
     holders(): source -> bitmap of the chunks it holds (None: all), asked again before every choice (the
@@ -172,7 +207,12 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     peer still fetching) that holds nothing to ask for gets one standing request at a time (wait_s).
     conns: connections kept by the caller beyond this download (a member that fetches version after
     version from the same peers skips the handshakes and the slow start of new ones); the download's
-    own, closed at its end, if None."""
+    own, closed at its end, if None.
+    stream(source, path, conns, size_of): (index, bytes) frames of one streamed request (stream_chunks). With it,
+    a seeder's chunks come in one streamed answer instead of a request each, and every peer still
+    fetching gets a standing stream from the start, over which it sends each chunk it took from a
+    seeder the moment it has verified it (the split a seeder made is relayed by each part's holder to
+    everyone); such a peer is not asked for single chunks meanwhile, which its stream brings anyway."""
     n = target.chunks
     rng = random.Random(seed)
     cond = threading.Condition()
@@ -184,10 +224,14 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
     last_progress = [time.monotonic()]
     seeding = [0]  # seeded requests in flight (their chunk is known only when they answer)
     standing: set[str] = set()  # peers holding one of this download's standing requests
+    streamed_from: set[str] = set()  # seeders streaming to this download now (one stream each is enough)
     waiting: set[threading.Thread] = set()  # the streams whose request is a standing one
     asking: dict[threading.Thread, int] = {}  # the streams asking for one named chunk: which
     order = list(range(n))
-    rng.shuffle(order)  # ties in rarity broken differently by every member, so they fetch different chunks
+    rng.shuffle(order)
+
+    def size_of(index: int) -> int | None:
+        return target.manifest["chunks"][index]["size"] if 0 <= index < n else None  # ties in rarity broken differently by every member, so they fetch different chunks
 
     def choose() -> tuple[int | list[int], str, float] | None:
         """Under cond: the next (chunk, source, 0), or (chunks, source, wait) for a request of whichever
@@ -207,10 +251,15 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         patience = endgame_patience(took)
         pool = fresh or [i for i in missing if len(in_flight.get(i, ())) == 1
                          and now - asked_at.get(i, now) >= patience]
+        if stream and wait_s and fresh and len(standing) < max(1, streams - 2):
+            streaming_peers = [s for s in usable if where[s] is not None and s not in last_resort and s not in standing]
+            if streaming_peers and (source := picker.pick(streaming_peers)) is not None:
+                standing.add(source)
+                return fresh, source, wait_s
         ranked = []
         for index in pool:
             have = [s for s in usable if bitmap_has(where[s], index) and s not in excluded.get(index, ())
-                    and s not in in_flight.get(index, ())]
+                    and s not in in_flight.get(index, ()) and not (stream and (s in standing or s in streamed_from))]
             others = [s for s in have if s not in last_resort]
             if others or have:
                 ranked.append((len(others), index, others or have))
@@ -258,6 +307,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                     chunk, source, wait = picked
                     if isinstance(chunk, list) and not wait:
                         seeding[0] += 1
+                        streamed_from.add(source)
                     if wait:
                         waiting.add(threading.current_thread())
                     elif not isinstance(chunk, list):
@@ -273,6 +323,7 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                                 waiting.discard(threading.current_thread())
                             else:
                                 seeding[0] -= 1
+                                streamed_from.discard(source)
                             cond.notify_all()
         finally:
             if conns is None:
@@ -312,10 +363,19 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
             for i in chunk:
                 bits[i // 8] |= 1 << (i % 8)
             path = f"/v1/{kind}/{target.version}/fresh/{base64.urlsafe_b64encode(bytes(bits)).decode().rstrip('=')}"
+            query = []
             if wait:
-                path += f"?wait_ms={int(wait * 1000)}"
+                query.append(f"wait_ms={int(wait * 1000)}")
+                if stream:
+                    query.append("relayed=1")
             elif relayed:
-                path += "?only_new=1"
+                query.append("only_new=1")
+            if stream:
+                query.append("stream=1")
+            if query:
+                path += "?" + "&".join(query)
+            if stream:
+                return fetch_streamed(conns, path, source, set(chunk), source in last_resort, standing=bool(wait))
         else:
             path = f"/v1/{kind}/{target.version}/chunk/{index}"
         try:
@@ -350,10 +410,45 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                 took.append(time.monotonic() - started)
         log.debug("%s %d chunk %d from %s in %.3f s%s", kind, target.version, index, source,
                   time.monotonic() - started, " (seeded)" if seeded else "")
-        fresh = target.put(index, data)
+        keep(index, data, source, from_seeder=source in last_resort)
+
+    def keep(index: int, data: bytes, source: str, from_seeder: bool) -> None:
+        fresh = target.put(index, data, seeded=from_seeder)
         settle(index, source, "ok", nbytes=len(data) if fresh else 0)
         if fresh and on_verified:
             on_verified(index)
+
+    def fetch_streamed(conns: KeptConnections, path: str, source: str, wanted: set[int], from_seeder: bool,
+                       standing: bool) -> None:
+        """One streamed request: every frame is checked and kept as it arrives; a bad one ends the stream
+        and bans its source, as a bad chunk does."""
+        started, nbytes = time.monotonic(), 0
+        try:
+            for index, data in stream(source, path, conns, size_of):
+                if index not in wanted or not target.matches(index, data):
+                    picker.failed(source)
+                    picker.ban(source, f"streamed chunk {index} that was not asked for or does not match its hash")
+                    log.warning("%s %d: chunk %d streamed from %s is not one asked for or does not match its hash; "
+                                "%s is not used again for this version", kind, target.version, index, source, source)
+                    settle(index if 0 <= index < n else None, source, "corrupt")
+                    if on_bad:
+                        on_bad(source, index, "sha256 mismatch" if index in wanted else "not asked for")
+                    return
+                nbytes += len(data)
+                log.debug("%s %d chunk %d streamed from %s at %.3f s", kind, target.version, index, source,
+                          time.monotonic() - started)
+                keep(index, data, source, from_seeder)
+        except NothingYet:
+            picker.busy(source, back_off_s=0.0 if standing else 0.1)
+            return settle(None, source, "busy")
+        except SourceBusy:
+            picker.busy(source)
+            return settle(None, source, "busy")
+        except (OSError, TransferError) as e:
+            picker.failed(source)
+            return settle(None, source, "failed", str(e)[:120])
+        picker.done(source, nbytes, time.monotonic() - started)
+        settle(None, source, "ok")
 
     if target.complete:
         return

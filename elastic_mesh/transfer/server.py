@@ -69,6 +69,11 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) < 3 or parts[0] != "v1" or parts[1] not in self.server.keep:
             return self._error(404, f"no such endpoint {self.path[:100]}")
         item = self.server.get(parts[1], parts[2])
+        if item is None and len(parts) == 5 and parts[3] == "fresh" and parts[2].isdigit() and \
+                (wait_s := _wait_of(url.query)):
+            # A standing request for a version this member has not started to fetch yet (its peer guessed
+            # that it would, as it fetched the last one): it may in a moment.
+            item = self.server.wait_for(parts[1], int(parts[2]), wait_s)
         if item is None:
             return self._error(404, f"no {parts[1]} {parts[2][:20]} here (held: {self.server.versions(parts[1])})")
         if len(parts) == 3:
@@ -92,14 +97,18 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError:
                 return self._error(400, "fresh/<bitmap>: the wanted chunks as an url-safe base64 bitmap")
             wait_s = _wait_of(url.query)
+            query = parse_qs(url.query)
+            only_new, relayed = query.get("only_new") == ["1"], query.get("relayed") == ["1"]
             # Waits without an upload slot: a standing request takes one only once it has a chunk to send.
             if wait_s and isinstance(item, ChunkDir) and not item.wait_for_any(wanted, wait_s):
                 return self._send(204, b"")
+            if query.get("stream") == ["1"]:
+                return self._stream(parts[1], item, wanted, wait_s, only_new, relayed)
             if not self.server.take_upload_slot():
                 return self._error(503, "busy: every upload slot is taken; ask another source or again shortly")
             try:
-                only_new = parse_qs(url.query).get("only_new") == ["1"]
-                index = self.server.least_sent(parts[1], item, wanted, only_new, requester=self.client_address[0])
+                index = self.server.least_sent(parts[1], item, wanted, only_new, requester=self.client_address[0],
+                                               relayed=relayed)
                 if index is None and not self.server.holds_any(item, wanted):
                     return self._error(404, f"none of the wanted chunks of {parts[1]} {item.version} is held here")
                 if index is None:  # each went out a moment ago (to the swarm, or to this requester)
@@ -110,6 +119,59 @@ class _Handler(BaseHTTPRequestHandler):
             finally:
                 self.server.release_upload_slot()
         return self._error(404, f"no such chunk {self.path[:100]}")
+
+    def _stream(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes, wait_s: float, only_new: bool,
+                relayed: bool) -> None:
+        """One response that carries every wanted chunk this server has (or, waiting up to wait_s between
+        two, comes to have) to send, each as a frame (index and size, 8 bytes each, then the bytes) the
+        moment it is chosen: a relay's chunks flow on as it verifies them, without a request and its round
+        trip per chunk. Chunked transfer encoding, so the connection stays open for the next request. Ends
+        when every wanted chunk went out on it, or nothing more came to send within wait_s."""
+        sent: set[int] = set()
+        started = False
+        requester = self.client_address[0]
+        share = self.server.share_of(kind, item, requester) if only_new else None
+        while share is None or len(sent) < share:
+            arrived = len(item.held()) if isinstance(item, ChunkDir) else 0
+            index = self.server.least_sent(kind, item, wanted, only_new, requester=requester, relayed=relayed,
+                                           exclude=sent)
+            if index is None:
+                left = [i for i in range(len(item.manifest["chunks"])) if bitmap_has(wanted, i) and i not in sent]
+                if left and wait_s and isinstance(item, ChunkDir) and not item.complete and \
+                        item.wait_for_more(arrived, wait_s):
+                    continue
+                break
+            if not self.server.take_upload_slot(give_up_s=self.timeout):
+                break
+            # One frame at a time over all streams: each goes out at the full uplink, so the member it goes
+            # to holds a whole chunk to pass on after a chunk's time, not after one per stream sharing it.
+            self.server.frame_lock.acquire()
+            try:
+                if self.server.before_chunk is not None:
+                    self.server.before_chunk(kind, item.version, index)
+                data = item.chunk(index)
+                if self.server.chunk_filter is not None:
+                    data = self.server.chunk_filter(kind, item.version, index, data)
+                if not started:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    started = True
+                frame = struct.pack(">qq", index, len(data)) + bytes(data)
+                self.wfile.write(b"%x\r\n" % len(frame) + frame + b"\r\n")
+                self.server.count_served(kind, item.version, len(data))
+                sent.add(index)
+                _wait_until_sent(self.connection, low_water=16 << 10, give_up_s=self.timeout, unsent_only=True)
+            finally:
+                self.server.frame_lock.release()
+                self.server.release_upload_slot()
+        if started:
+            self.wfile.write(b"0\r\n\r\n")
+        elif self.server.holds_any(item, wanted):
+            self._send(204, b"")  # each went out a moment ago (to the swarm, or to this requester)
+        else:
+            self._error(404, f"none of the wanted chunks of {kind} {item.version} is held here")
 
     def _send_chunk(self, kind: str, item: "Chunked | ChunkDir", index: int, prefix: bytes = b"") -> None:
         data = item.chunk(index)
@@ -147,11 +209,17 @@ def _prefer_bbr(sock) -> None:
         pass
 
 
-def _wait_until_sent(conn, low_water: int, give_up_s: float) -> None:
-    """Returns once at most `low_water` bytes of this connection wait in the kernel (unsent or unacknowledged).
-    A write returns when the bytes are in the send buffer (megabytes, autotuned), long before they are
-    on the wire: an upload slot released then would limit nothing."""
-    request = getattr(termios, "TIOCOUTQ", None)
+SIOCOUTQNSD = 0x894B  # Linux: the bytes of a TCP socket not sent yet (TIOCOUTQ counts unacknowledged ones too)
+
+
+def _wait_until_sent(conn, low_water: int, give_up_s: float, unsent_only: bool = False) -> None:
+    """Returns once at most `low_water` bytes of this connection wait in the kernel (unsent or unacknowledged;
+    unsent_only: not sent yet). A write returns when the bytes are in the send buffer (megabytes,
+    autotuned), long before they are on the wire: an upload slot released then would limit nothing.
+    Unacknowledged bytes are a round trip's worth at full rate, so waiting for those to drain leaves the
+    link idle for a round trip per chunk: a stream, which goes on with its next frame, waits only for
+    the unsent ones."""
+    request = SIOCOUTQNSD if unsent_only else getattr(termios, "TIOCOUTQ", None)
     if request is None:  # no way to ask on this platform: the slot then limits requests, not bytes
         return
     deadline = time.monotonic() + give_up_s
@@ -164,7 +232,7 @@ def _wait_until_sent(conn, low_water: int, give_up_s: float) -> None:
         if queued <= low_water:
             return
         time.sleep(delay)
-        delay = min(delay * 1.5, 0.02)
+        delay = min(delay * 1.5, 0.005 if unsent_only else 0.02)
 
 
 class ChunkServer(ThreadingHTTPServer):
@@ -201,10 +269,13 @@ class ChunkServer(ThreadingHTTPServer):
         self._sent_to: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
         self.resend_after_s = resend_after_s
         self._slots = threading.BoundedSemaphore(upload_slots) if upload_slots else None
+        self._askers: dict[tuple[str, int], set[str]] = {}  # (kind, version) -> who streamed from it (share_of)
+        self.frame_lock = threading.Lock()  # streamed frames go out one at a time (_Handler._stream)
         self.slot_wait_s = 0.3
         self._last_read: dict[tuple[str, int], float] = {}
         self._held: dict[str, dict[int, Chunked | Deferred]] = {kind: {} for kind in keep}
         self._lock = threading.Lock()
+        self._published = threading.Condition(self._lock)  # a version was added (wait_for)
         threading.Thread(target=self.serve_forever, daemon=True, name="chunk-server").start()
 
     @property
@@ -220,30 +291,34 @@ class ChunkServer(ThreadingHTTPServer):
         # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.
         log.debug("transfer request from %s ended early", client_address, exc_info=True)
 
-    def take_upload_slot(self) -> bool:
-        """Waits a moment for a slot: a request queued here starts the instant an upload ends, where one
-        turned away would leave the uplink idle for a round trip and a back-off."""
-        return self._slots is None or self._slots.acquire(timeout=self.slot_wait_s)
+    def take_upload_slot(self, give_up_s: float | None = None) -> bool:
+        """Waits a moment for a slot (slot_wait_s, or give_up_s): a request queued here starts the instant
+        an upload ends, where one turned away would leave the uplink idle for a round trip and a back-off.
+        A stream already answering waits longer: its requester has nothing to retry."""
+        return self._slots is None or self._slots.acquire(timeout=give_up_s or self.slot_wait_s)
 
     def release_upload_slot(self) -> None:
         if self._slots is not None:
             self._slots.release()
 
     @staticmethod
-    def _held_and_wanted(item: "Chunked | ChunkDir", wanted: bytes) -> list[int]:
-        held = item.held() if isinstance(item, ChunkDir) else None
+    def _held_and_wanted(item: "Chunked | ChunkDir", wanted: bytes, relayed: bool = False) -> list[int]:
+        """relayed: only the chunks this member took from a seeder (it is the swarm's relay for those; every
+        follower streams each relay's share from it, so a chunk crosses each follower's link about once)."""
+        held = (item.seeded() if relayed else item.held()) if isinstance(item, ChunkDir) else None
         return [i for i in range(len(item.manifest["chunks"])) if bitmap_has(wanted, i) and (held is None or i in held)]
 
     def holds_any(self, item: "Chunked | ChunkDir", wanted: bytes) -> bool:
         return bool(self._held_and_wanted(item, wanted))
 
     def least_sent(self, kind: str, item: "Chunked | ChunkDir", wanted: bytes, only_new: bool = False,
-                   requester: str | None = None) -> int | None:
+                   requester: str | None = None, relayed: bool = False, exclude: set[int] = frozenset()) -> int | None:
         """Among the wanted chunks this server holds, one it has sent least often (counted as chosen);
         None if there is none to send now. only_new: none chosen for anyone within the last
         resend_after_s. requester (its address): none chosen for it within resend_after_s either, as
-        its other streams ask with the same bitmap at the same moment and would get the same chunk twice."""
-        choices = self._held_and_wanted(item, wanted)
+        its other streams ask with the same bitmap at the same moment and would get the same chunk twice.
+        relayed: only chunks this member took from a seeder. exclude: chunks already sent on this stream."""
+        choices = [i for i in self._held_and_wanted(item, wanted, relayed) if i not in exclude]
         if not choices:
             return None
         now = time.monotonic()
@@ -265,6 +340,15 @@ class ChunkServer(ThreadingHTTPServer):
                 recent[index] = now
         return index
 
+    def share_of(self, kind: str, item: "Chunked | ChunkDir", requester: str) -> int:
+        """How many chunks one streamed answer of a seeder carries: its version split among as many
+        requesters as asked for the previous version (at least one), so the first to ask does not take
+        everything and then have to relay it all alone. A requester that wants more asks again."""
+        with self._lock:
+            self._askers.setdefault((kind, item.version), set()).add(requester)
+            before = max((len(who) for (k, v), who in self._askers.items() if k == kind and v < item.version), default=1)
+        return max(1, math.ceil(len(item.manifest["chunks"]) / max(1, before)))
+
     def count_served(self, kind: str, version: int, nbytes: int) -> None:
         with self._lock:
             self.served[(kind, version)] = self.served.get((kind, version), 0) + nbytes
@@ -276,6 +360,7 @@ class ChunkServer(ThreadingHTTPServer):
             self._sent.pop((kind, version), None)
             self._sent_at.pop((kind, version), None)
             self._sent_to.pop((kind, version), None)
+            self._askers.pop((kind, version), None)
 
     def publish(self, item: Chunked | Deferred | ChunkDir, kind: str) -> None:
         if kind not in self._held:
@@ -283,11 +368,24 @@ class ChunkServer(ThreadingHTTPServer):
         with self._lock:
             held = self._held[kind]
             held[item.version] = item
+            self._published.notify_all()
             now = time.monotonic()
             for old in sorted(held)[:-self.keep[kind]]:
                 if now - self._last_read.get((kind, old), -math.inf) > self.pin_s:
                     del held[old]
                     self._last_read.pop((kind, old), None)
+
+    def wait_for(self, kind: str, version: int, timeout_s: float) -> Chunked | ChunkDir | None:
+        """The version once this server holds it, waiting up to timeout_s; None at once if a newer one
+        is held (this one will not come) or if it does not come in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._published:
+            while version not in self._held[kind]:
+                left = deadline - time.monotonic()
+                if left <= 0 or any(v > version for v in self._held[kind]):
+                    return None
+                self._published.wait(left)
+        return self.get(kind, str(version))
 
     def get(self, kind: str, which: str) -> Chunked | ChunkDir | None:
         with self._lock:

@@ -9,6 +9,8 @@ emulator; the output says which). Two modes, one after the other on fresh hosts,
 
 - swarm:  every follower fetches from everyone who holds chunks and serves what it verified (ours).
 - origin: every follower fetches from the publisher only and serves nothing.
+- requests (with --modes): the swarm without streams (BroadcastSettings.stream off: a request per chunk,
+  a standing request answered with one chunk), the broadcast as it was before streams.
 
 Reported per mode: publish → held, median and 90th percentile over every follower and version (the first
 two versions left out: connections are being opened), versions a follower skipped (it fell behind), and
@@ -71,7 +73,8 @@ def run_mode(mode: str, args, root: Path) -> dict:
             for f in followers:
                 token = make_token(state, 3600, role="worker")
                 start(wan, f, member + ["follow", "--token", token, "--work-dir", str(work / f), "--out",
-                                        str(work / f"{f}.jsonl"), *common, *(["--origin-only"] if mode == "origin" else [])])
+                                        str(work / f"{f}.jsonl"), *common, *(["--origin-only"] if mode == "origin" else []),
+                                        *(["--no-stream"] if mode == "requests" else [])])
             pub = start(wan, "publisher", member + ["publish", "--token", publisher, "--work-dir", str(work / "publisher"),
                                                     "--out", str(work / "published.jsonl"), "--versions",
                                                     str(args.versions), "--every-s", str(args.every_s), *common])
@@ -115,7 +118,8 @@ def main() -> int:
     parser.add_argument("--versions", type=int, default=30)
     parser.add_argument("--mbit", type=float, default=50, help="every host's uplink and downlink (default 50)")
     parser.add_argument("--latency-ms", type=float, default=10, help="one way, per access link (default 10)")
-    parser.add_argument("--modes", default="swarm,origin")
+    parser.add_argument("--modes", default="swarm,origin", help="comma-separated: swarm, origin, requests "
+                        "(default swarm,origin)")
     parser.add_argument("--verbose", action="store_true", help="every member logs every chunk (with --keep)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the logs under this folder")
     args = parser.parse_args()

@@ -1,0 +1,181 @@
+"""Streamed answers of the chunk server (…/fresh/<bitmap>?stream=1): one request that carries chunk after
+chunk as the server has them, and the download that uses them (real servers on loopback)."""
+
+from __future__ import annotations
+
+import base64
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from elastic_mesh.control.kept_connections import KeptConnections
+from elastic_mesh.transfer.chunk_dir import ChunkDir
+from elastic_mesh.transfer.chunks import TransferError, lay_out
+from elastic_mesh.transfer.fetcher import (
+    FRAME_HEAD,
+    FetchReport,
+    download,
+    get_chunk,
+    stream_chunks,
+)
+from elastic_mesh.transfer.server import ChunkServer
+from elastic_mesh.transfer.sources import SourcePicker
+from tests.unit.test_snapshots import CHUNK, KEEP, KEY, assert_state, state
+
+
+def bitmap(indices, n: int) -> str:
+    bits = bytearray((n + 7) // 8)
+    for i in indices:
+        bits[i // 8] |= 1 << (i % 8)
+    return base64.urlsafe_b64encode(bytes(bits)).decode().rstrip("=")
+
+
+def sizes(manifest):
+    return lambda i: manifest["chunks"][i]["size"] if 0 <= i < len(manifest["chunks"]) else None
+
+
+def test_a_relay_streams_the_chunks_it_took_from_a_seeder_the_moment_it_verifies_them(tmp_path):
+    """relayed=1: only the chunks the relay took from a seeder (its share of the split), each sent as it is
+    verified; the stream ends when the relay completes, and the connection carries the next request."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    relay = ChunkDir(tmp_path / "relay", snapshot.manifest)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(relay, "snapshot")
+    source = f"127.0.0.1:{server.port}"
+    relay.put(0, bytes(snapshot.chunk(0)), seeded=True)  # held before the request: sent at once
+    put_at: dict[int, float] = {}
+
+    def verify_more() -> None:  # the relay's own download goes on: two more from the seeder, the rest from peers
+        for index in range(1, n):
+            time.sleep(0.15 if index in (1, 3) else 0.01)
+            put_at[index] = time.monotonic()
+            relay.put(index, bytes(snapshot.chunk(index)), seeded=index in (1, 3))
+
+    conns = KeptConnections(10)
+    feeder = threading.Thread(target=verify_more)
+    try:
+        feeder.start()
+        got = []
+        for index, data in stream_chunks(KEY, 10, source, f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}"
+                                         "?wait_ms=2000&relayed=1&stream=1", conns, sizes(snapshot.manifest)):
+            got.append((index, time.monotonic()))
+            assert data == bytes(snapshot.chunk(index))
+        feeder.join()
+        assert [i for i, _ in got] == [0, 1, 3]
+        for index, when in got[1:]:
+            assert when - put_at[index] < 0.5  # as it was verified, not when the relay completed
+        # The stream ended cleanly: its connection went back to the pool and serves the next request.
+        assert get_chunk(KEY, 10, source, "/v1/snapshot/5/chunk/2", conns) == bytes(snapshot.chunk(2))
+    finally:
+        conns.close()
+        server.stop()
+
+
+def test_a_seeder_streams_each_requester_its_share_once(tmp_path):
+    """only_new + stream: a seeder sends each chunk to one requester, at most its share (the version split
+    among as many requesters as streamed the previous one), and then answers 204 (nothing new)."""
+    first = lay_out(4, state(1), {"outer_step": 4}, chunk_bytes=CHUNK)
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(first, "snapshot")
+    server.publish(snapshot, "snapshot")
+    for requester in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):  # three streamed version 4
+        server.share_of("snapshot", first, requester)
+    source = f"127.0.0.1:{server.port}"
+    path = f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}?only_new=1&stream=1"
+    conns = KeptConnections(10)
+    try:
+        streams = [[i for i, _ in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
+                   for _ in range(math.ceil(n / math.ceil(n / 3)))]
+        assert all(len(s) <= math.ceil(n / 3) for s in streams) and len(streams[0]) == math.ceil(n / 3)
+        assert sorted(i for s in streams for i in s) == list(range(n))  # each chunk once
+        with pytest.raises(TransferError, match="none of the wanted chunks arrived"):  # 204: all sent a moment ago
+            list(stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest)))
+    finally:
+        conns.close()
+        server.stop()
+
+
+def test_a_download_streams_from_a_seeder_and_a_peer_and_bans_a_peer_whose_frames_lie(tmp_path):
+    """download() with stream: the seeder's chunks come in streamed answers, an honest peer's share over
+    its standing stream; a peer whose streamed chunk does not match its hash is banned and reported, and
+    the chunk comes from elsewhere."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    seeder = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    seeder.publish(snapshot, "snapshot")
+    peers = []
+    for name in ("honest", "liar"):
+        directory = ChunkDir(tmp_path / name, snapshot.manifest)
+        server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+        server.publish(directory, "snapshot")
+        peers.append((directory, server))
+    peers[1][1].chunk_filter = lambda kind, version, index, data: bytes(b ^ 0x55 for b in data[:64]) + bytes(data[64:])
+    addresses = {name: f"127.0.0.1:{s.port}" for name, s in zip(("seeder", "honest", "liar"), (seeder, *(s for _, s in peers)))}
+    empty = bytes((n + 7) // 8)
+
+    def feed() -> None:  # both peers verify a share each as if from the seeder (this side never sees how)
+        for index in range(n):
+            time.sleep(0.005)
+            peers[index % 2][0].put(index, bytes(snapshot.chunk(index)), seeded=True)
+
+    target = ChunkDir(tmp_path / "me", snapshot.manifest)
+    report = FetchReport(5, snapshot.manifest["total_bytes"], n)
+    bad = []
+    feeder = threading.Thread(target=feed)
+    try:
+        feeder.start()
+        download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+                 lambda: {addresses["seeder"]: None, addresses["honest"]: empty, addresses["liar"]: empty},
+                 SourcePicker(2), report, streams=6, stall_s=30, wait_s=2.0,
+                 seeders=lambda: {addresses["seeder"]}, on_bad=lambda source, index, why: bad.append(source),
+                 stream=lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of))
+    finally:
+        feeder.join()
+        for s in (seeder, *(s for _, s in peers)):
+            s.stop()
+    assert target.complete
+    assert_state(target.tensors())
+    assert bad and set(bad) == {addresses["liar"]}
+    assert any(addresses["liar"] in c for c in report.corrupt)
+    assert addresses["liar"] not in report.bytes_from
+
+
+class _Oversized(BaseHTTPRequestHandler):
+    """A source that announces a frame of half a gigabyte and sends nothing of it."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        frame = FRAME_HEAD.pack(0, 1 << 29)
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.write(b"%x\r\n" % len(frame) + frame + b"\r\n")
+        self.wfile.flush()
+        time.sleep(5)
+
+
+def test_a_frame_of_the_wrong_size_ends_the_stream_before_its_bytes_are_read():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Oversized)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    conns = KeptConnections(10)
+    try:
+        began = time.monotonic()
+        with pytest.raises(TransferError, match="with 536870912 bytes, not the manifest's 65536"):
+            list(stream_chunks(KEY, 10, f"127.0.0.1:{server.server_address[1]}", "/v1/x/1/fresh/AQ?stream=1",
+                               conns, lambda i: 65536))
+        assert time.monotonic() - began < 2.0  # not after the source's five seconds of silence
+    finally:
+        conns.close()
+        server.shutdown()
+        server.server_close()
