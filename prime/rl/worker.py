@@ -170,18 +170,17 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
     log.info("worker ready at version %d; orchestrator %s", held.version, address)
     stats = WorkerClock(args.work_dir / "worker.json", held)
     submitter = Submitter(orchestrator, stats)
+    leases = LeasesAhead(orchestrator, held, stats)
     try:
         while True:
             ended = submitter.ended()
             if ended is not None:
                 return ended
-            asked = time.monotonic()
             try:
-                answer = orchestrator.post("/v1/rl/lease", {"held": held.version})
+                answer = leases.next()
             except CoordinatorError as e:
                 return _ended(e, "lease")
             status = answer.get("status")
-            stats.add("lease_s" if status == "ok" else "waiting_s", time.monotonic() - asked)
             if status == "done":
                 ended = submitter.wait()
                 if ended is not None and ended != EXIT_DONE:
@@ -227,8 +226,54 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
             if ended is not None:
                 return ended
     finally:
+        leases.close()
         submitter.close()
         member.stop()
+
+
+class LeasesAhead:
+    """Asks the orchestrator for the next lease while the worker generates and submits this one. A lease
+    request is a round trip to the orchestrator, and in line it took a worker longer than generating a
+    lease's rollouts (0.11 s against 0.04 s a lease, 10 ms links): one request is kept on its way after
+    each lease granted, as long as a lease takes this worker under a quarter of the lease's time (a lease
+    asked ahead starts its clock while the worker is still busy with the last one: a slow worker would see
+    its leases expire). What the worker waited for a lease is counted as lease_s (or waiting_s when the
+    answer was not a lease)."""
+
+    def __init__(self, orchestrator: CoordinatorClient, held: HeldPolicy, stats: "WorkerClock") -> None:
+        self.orchestrator, self.held, self.stats = orchestrator, held, stats
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
+        self._ahead: Future | None = None
+        self._last_granted: float | None = None  # when the last lease was handed to the worker
+
+    def _ask(self) -> tuple[dict | None, CoordinatorError | None]:
+        try:
+            return self.orchestrator.post("/v1/rl/lease", {"held": self.held.version}), None
+        except CoordinatorError as e:
+            return None, e
+
+    def next(self) -> dict:
+        """The orchestrator's answer to a lease request (raises CoordinatorError as its post does). After a
+        lease granted, the next request goes out at once; after any other answer the next is asked in line
+        (a "fetch" or "wait" must be acted on first, "done" ends the worker)."""
+        waited = time.monotonic()
+        pending, self._ahead = self._ahead, None
+        answer, error = (pending or self._pool.submit(self._ask)).result()
+        if error is not None:
+            raise error
+        granted = answer.get("status") == "ok"
+        now = time.monotonic()
+        self.stats.add("lease_s" if granted else "waiting_s", now - waited)
+        if granted:
+            # The last lease's whole turn (generating, waiting to submit, asking for this one).
+            took = now - self._last_granted if self._last_granted is not None else None
+            self._last_granted = now
+            if took is not None and took < float(answer.get("lease_s", 0)) / 4:
+                self._ahead = self._pool.submit(self._ask)
+        return answer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Submitter:
