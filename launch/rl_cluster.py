@@ -43,14 +43,16 @@ def calibrate(policy: Path, args: list[str] | None = None) -> Path:
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
                  trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1,
-                 placement: dict[str, str] | None = None) -> None:
+                 placement: dict[str, str] | None = None, worker_args: list[str] | None = None) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
         orchestrator, trainer, worker names): each process runs in its host's namespace. placement: role ->
         the WAN host it runs on where that is not the host of its own name (roles sharing a host share its
-        access link). trainer_ranks: local ranks of the trainer (more than 1: torchrun, FSDP2)."""
+        access link). trainer_ranks: local ranks of the trainer (more than 1: torchrun, FSDP2). worker_args:
+        command-line options of every worker."""
         self.run_dir, self.policy, self.wan, self.trainer_ranks = Path(run_dir), Path(policy), wan, trainer_ranks
         self.placement = dict(placement or {})
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
+        self.worker_args = list(worker_args or [])
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
         self.orchestrator_address = ""
@@ -119,7 +121,7 @@ class RLCluster:
 
     def start_worker(self, name: str, module: str = "prime.rl.worker", extra: list[str] | None = None) -> None:
         self.spawn(name, [sys.executable, "-m", module, "--token-file", str(self.token(name)),
-                          "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name), *(extra or [])])
+                          "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name), *self.worker_args, *(extra or [])])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]

@@ -35,7 +35,10 @@ def policy_broadcast_settings(keep: int, advertise_host: str | None, port: int =
     docs/benchmarks.md (RL section)."""
     small = payload_bytes is not None and payload_bytes < SMALL_POLICY_BYTES
     chunk = {"chunk_mb": 0.125} if small else {}
-    return BroadcastSettings(keep=keep, advertise_host=advertise_host, port=port, **chunk)
+    # A chunk that no member holds for 5 s belongs to a version every holder has retired (newer ones came):
+    # waiting the default minute for it held a submission's verification, and with it the batch its
+    # prompts were promised to, for that minute (async 4, 10 ms links: a version the orchestrator skipped).
+    return BroadcastSettings(keep=keep, advertise_host=advertise_host, port=port, stall_s=5.0, **chunk)
 
 
 def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path, meta: dict,

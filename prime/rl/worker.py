@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="port of this worker's chunk server (0: any)")
     parser.add_argument("--advertise-host", default=None, help="host other workers reach this one at")
     parser.add_argument("--wait-s", type=float, default=600, help="how long to wait for the first policy version")
+    parser.add_argument("--in-flight", type=int, default=2, choices=range(1, 9), metavar="N",
+                        help="submissions awaiting the orchestrator's verification at once (1-8, default 2): "
+                        "generating goes on meanwhile")
     args = parser.parse_args(argv)
     setup_logging("[worker] ")
     torch.set_num_threads(args.threads)
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                                      tls=member.client.tls_context())
     log.info("worker ready at version %d; orchestrator %s", held.version, address)
     stats = WorkerClock(args.work_dir / "worker.json", held)
-    submitter = Submitter(orchestrator, stats)
+    submitter = Submitter(orchestrator, stats, args.in_flight)
     leases = LeasesAhead(orchestrator, held, stats)
     try:
         while True:
@@ -210,7 +214,11 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                     with held.lock:
                         engine = held.engines[int(answer["version"])]
                 except (BroadcastError, KeyError) as e:
-                    log.warning("leased version %d not fetched: %s; the lease will expire", answer["version"], e)
+                    log.warning("leased version %d not fetched: %s; lease %s given back", answer["version"], e,
+                                answer["lease"])
+                    ended = _give_back(orchestrator, answer["lease"], f"version {answer['version']} not fetched")
+                    if ended is not None:
+                        return ended
                     continue
                 finally:
                     stats.add("fetching_s", time.monotonic() - fetching)
@@ -277,35 +285,49 @@ class LeasesAhead:
 
 
 class Submitter:
-    """Sends each lease's rollouts in the background, one submission at a time, so the worker leases and
-    generates the next lease while the orchestrator verifies this one. A submission is answered only
-    once verified, and that is most of its time: sent in line, it kept a worker from generating for
-    longer than generating took. The lease stays the worker's until its rollouts arrive, so the
-    orchestrator hands out no more work for it meanwhile."""
+    """Sends each lease's rollouts in the background, up to `in_flight` submissions at a time, so the
+    worker leases and generates the next leases while the orchestrator verifies the last ones. A
+    submission is answered only once verified, and that is most of its time: with one in flight a worker
+    waited 46% of its time for the last answer (async 2, 10 ms links), and each lease asked ahead aged
+    meanwhile. The leases stay the worker's until their rollouts arrive, so the orchestrator hands out
+    no more work for them; verification runs in parallel there (one server thread per request)."""
 
-    def __init__(self, orchestrator: CoordinatorClient, stats: "WorkerClock") -> None:
-        self.orchestrator, self.stats = orchestrator, stats
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="submit")
-        self._pending: Future | None = None
+    def __init__(self, orchestrator: CoordinatorClient, stats: "WorkerClock", in_flight: int = 2) -> None:
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, not {in_flight}")
+        self.orchestrator, self.stats, self.in_flight = orchestrator, stats, in_flight
+        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="submit")
+        self._pending: deque[Future] = deque()  # oldest first
 
     def submit(self, lease: str, body: dict, rollouts: int) -> int | None:
-        """Waits for the previous submission's answer, then sends this one. An exit code when the previous
-        answer ended this worker (evicted, refused, the orchestrator gone)."""
-        ended = self.wait()
+        """Sends this submission once fewer than `in_flight` are unanswered (waiting for the oldest). An
+        exit code when an answer ended this worker (evicted, refused, the orchestrator gone)."""
+        ended = self.ended()
+        while ended is None and len(self._pending) >= self.in_flight:
+            ended = self._wait_oldest()
         if ended is None:
-            self._pending = self._pool.submit(self._send, lease, body, rollouts)
+            self._pending.append(self._pool.submit(self._send, lease, body, rollouts))
         return ended
 
     def ended(self) -> int | None:
         """The exit code of a submission that has been answered and ended this worker, without waiting."""
-        return self.wait() if self._pending is not None and self._pending.done() else None
+        while self._pending and self._pending[0].done():
+            ended = self._wait_oldest()
+            if ended is not None:
+                return ended
+        return None
 
     def wait(self) -> int | None:
-        if self._pending is None:
-            return None
+        """Waits for every submission's answer; the exit code of the first that ended this worker."""
+        ended = None
+        while self._pending:
+            answer = self._wait_oldest()
+            ended = answer if ended is None else ended
+        return ended
+
+    def _wait_oldest(self) -> int | None:
         waited = time.monotonic()
-        pending, self._pending = self._pending, None
-        ended = pending.result()
+        ended = self._pending.popleft().result()
         self.stats.add("submit_s", time.monotonic() - waited)
         return ended
 
@@ -315,8 +337,7 @@ class Submitter:
         except CoordinatorError as e:
             return _ended(e, "submit")
         if result.get("status") == "accepted":
-            self.stats.rollouts += rollouts
-            self.stats.write()
+            self.stats.accepted(rollouts)
         else:
             log.info("lease %s: %s", lease, result.get("status"))
         return None
@@ -337,18 +358,27 @@ class WorkerClock:
         self.path, self.held = path, held
         self.rollouts, self.started = 0, time.monotonic()
         self.seconds = {"busy_s": 0.0, "lease_s": 0.0, "waiting_s": 0.0, "submit_s": 0.0, "fetching_s": 0.0}
+        self._lock = threading.Lock()  # submissions are answered on several threads
 
     def add(self, what: str, seconds: float) -> None:
-        self.seconds[what] += seconds
+        with self._lock:
+            self.seconds[what] += seconds
+
+    def accepted(self, rollouts: int) -> None:
+        with self._lock:
+            self.rollouts += rollouts
+        self.write()
 
     def write(self) -> None:
         with self.held.lock:
             times = {name: dict(sorted(getattr(self.held, name).items())[-1000:])
                      for name in ("announced_at", "fetched_at", "loaded_at")}
-        staging = self.path.with_suffix(".json.tmp")
-        staging.write_text(json.dumps({"rollouts": self.rollouts, "seconds": round(time.monotonic() - self.started, 3),
-                                       **{k: round(v, 3) for k, v in self.seconds.items()}, **times}))
-        staging.replace(self.path)
+        with self._lock:
+            staging = self.path.with_suffix(".json.tmp")
+            staging.write_text(json.dumps({"rollouts": self.rollouts,
+                                           "seconds": round(time.monotonic() - self.started, 3),
+                                           **{k: round(v, 3) for k, v in self.seconds.items()}, **times}))
+            staging.replace(self.path)
 
     def summary(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -359,6 +389,15 @@ class WorkerClock:
 def _wire(completion: Completion, dtype: str) -> dict:
     return {"tokens": completion.tokens, "logprobs": completion.logprobs, "finish_reason": completion.finish_reason,
             "proof": base64.b64encode(completion.proof).decode(), "compute_dtype": dtype}
+
+
+def _give_back(orchestrator: CoordinatorClient, lease: str, reason: str) -> int | None:
+    """Hands a lease back unworked; an exit code when the answer ends this worker."""
+    try:
+        orchestrator.post("/v1/rl/give-back", {"lease": lease, "reason": reason})
+    except CoordinatorError as e:
+        return _ended(e, "give-back")
+    return None
 
 
 def _ended(error: CoordinatorError, what: str) -> int:

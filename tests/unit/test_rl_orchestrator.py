@@ -277,3 +277,20 @@ def test_rollouts_being_verified_still_count_as_on_their_way(policy):
     assert answers == [{"status": "accepted", "rollouts": 8, "verify_s": answers[0]["verify_s"]}]
     assert orchestrator.lease("w1", held=0)["status"] == "wait"  # 2 ready, 2 leased: still nothing wanted
     assert not orchestrator.checking
+
+
+def test_a_lease_given_back_returns_its_prompts_at_once(policy):
+    """A worker that cannot get the version its lease names gives the lease back: its prompts go out
+    again at once (not after lease_s), only the worker holding the lease may give it back, and the
+    rollouts it might still send for it are refused."""
+    orchestrator, versions, _ = _orchestrator(policy, async_level=0, lease_s=60)
+    first, second = orchestrator.lease("w1", held=0), orchestrator.lease("w2", held=0)
+    assert orchestrator.lease("w3", held=0)["status"] == "wait"  # step 0's 4 prompts are all leased
+    assert orchestrator.give_back("w2", {"lease": first["lease"]})["status"] == "expired"  # not w2's lease
+    assert orchestrator.give_back("w1", {"lease": first["lease"], "reason": "version 0 not fetched"}) == {"status": "ok"}
+    again = orchestrator.lease("w3", held=0)
+    assert again["status"] == "ok"
+    assert [r["prompt"] for r in again["requests"]] == [r["prompt"] for r in first["requests"]]
+    assert orchestrator.submit("w1", _work(orchestrator, versions, first))["status"] == "expired"
+    assert orchestrator.give_back("w1", {"lease": first["lease"]})["status"] == "expired"  # once only
+    assert orchestrator.counters.leases_expired == 0 and second["lease"] in orchestrator.leases

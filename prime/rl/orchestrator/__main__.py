@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     routes = {"/v1/rl/lease": lease,
               "/v1/rl/submit": lambda t, b: orchestrator.submit(t.token_id, b),
+              "/v1/rl/give-back": lambda t, b: orchestrator.give_back(t.token_id, b),
               "/v1/rl/batch": batch,
               "/v1/rl/finish": finish,
               "/v1/rl/status": lambda t, b: {"status": "ok", "next_step": orchestrator.next_step,

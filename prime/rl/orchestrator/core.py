@@ -224,6 +224,19 @@ class Orchestrator:
                 self.counters.of(lease.worker).expired += 1
                 self._release(lease, f"not returned within {self.config.lease_s:.0f} s")
 
+    def give_back(self, worker: str, body: dict) -> dict:
+        """A worker hands a lease back unworked (it could not get the version the lease names): its
+        prompts go to the front of the queue now rather than when the lease expires, which would keep the
+        batch they were promised to waiting that long."""
+        with self.changed:
+            self.counters.of(worker).last_seen_s = self.elapsed()
+            self._refuse_evicted(worker)
+            lease = self.leases.get(str(body.get("lease", "")))
+            if lease is None or lease.worker != worker:
+                return {"status": "expired", "detail": "no such lease of this worker (returned after its deadline?)"}
+            self._release(lease, f"given back by its worker: {str(body.get('reason', ''))[:200]}")
+            return {"status": "ok"}
+
     def _refuse_evicted(self, worker: str) -> None:
         if worker in self.counters.evicted:
             raise Refused(403, f"worker token {worker} was evicted: {self.counters.evicted[worker]}")
