@@ -36,16 +36,9 @@ class KeptConnections:
                 headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """(status, body) of one request. Raises OSError or http.client.HTTPException when it failed on a
         fresh connection; the whole body is read even on an error status, so the connection stays usable."""
-        conn, reused = self._take(address)
+        conn, response = self._send(address, method, path, body, headers)
         try:
-            conn.request(method, path, body=body, headers=headers or {})
-            response = conn.getresponse()
             data = response.read()
-        except (http.client.HTTPException, ConnectionError):
-            conn.close()
-            if reused:  # closed by the server while idle: send it again on a fresh connection
-                return self._fresh_request(address, method, path, body, headers)
-            raise
         except BaseException:
             conn.close()
             raise
@@ -56,50 +49,39 @@ class KeptConnections:
     def streaming(self, address: str, method: str, path: str,
                   headers: dict[str, str] | None = None) -> Iterator[http.client.HTTPResponse]:
         """One request whose response the caller reads as it arrives (a stream of frames). The connection
-        is kept only if the caller read the body to its end; one left early is closed."""
-        conn, reused = self._take(address)
-        try:
-            conn.request(method, path, headers=headers or {})
-            response = conn.getresponse()
-        except (http.client.HTTPException, ConnectionError):
-            conn.close()
-            if not reused:
-                raise
-            with self._lock:
-                stale = self._idle.pop(address, [])
-            for old, _ in stale:
-                old.close()
-            conn, _ = self._take(address)  # closed by the server while idle: once more on a fresh one
-            try:
-                conn.request(method, path, headers=headers or {})
-                response = conn.getresponse()
-            except BaseException:
-                conn.close()
-                raise
-        except BaseException:
-            conn.close()
-            raise
+        is kept only if the caller read the body to its end (a refusal such as 204 or 503 read whole, or a
+        stream to its last frame, even when the caller then raises); one left early is closed."""
+        conn, response = self._send(address, method, path, None, headers)
         try:
             yield response
-        except BaseException:
-            # An answer read to its end (a refusal such as 204 or 503, say) leaves the connection usable.
+        finally:
             if response.isclosed():
                 self._give_back(address, conn, response.will_close)
             else:
                 conn.close()
-            raise
-        if response.isclosed():
-            self._give_back(address, conn, response.will_close)
-        else:
-            conn.close()
 
-    def _fresh_request(self, address: str, method: str, path: str, body: bytes | None,
-                       headers: dict[str, str] | None) -> tuple[int, bytes]:
-        with self._lock:
-            stale = self._idle.pop(address, [])  # closed with the one that just failed, most likely
-        for conn, _ in stale:
-            conn.close()
-        return self.request(address, method, path, body, headers)
+    def _send(self, address: str, method: str, path: str, body: bytes | None,
+              headers: dict[str, str] | None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """A connection and the response to one request on it, its head read. A kept connection that the
+        server closed while it sat idle fails here, and that is not the peer's fault: the request goes once
+        more on a fresh connection (the address's other idle ones most likely went the same way: closed)."""
+        for attempt in range(2):
+            conn, reused = self._take(address)
+            try:
+                conn.request(method, path, body=body, headers=headers or {})
+                return conn, conn.getresponse()
+            except (http.client.HTTPException, ConnectionError):
+                conn.close()
+                if not reused or attempt:
+                    raise
+                with self._lock:
+                    stale = self._idle.pop(address, [])
+                for old, _ in stale:
+                    old.close()
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _take(self, address: str) -> tuple[http.client.HTTPConnection, bool]:
         now = time.monotonic()

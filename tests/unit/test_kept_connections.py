@@ -84,6 +84,20 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_without_an_error(
         assert server.connections == 2
 
 
+def test_a_stream_on_a_connection_the_server_closed_while_idle_goes_out_again_and_keeps_its_fresh_one():
+    with served(idle_timeout_s=0.2) as (server, kept):
+        assert kept.request(server.address, "GET", "/a")[0] == 200
+        time.sleep(0.6)  # the kept connection is dead now
+        with kept.streaming(server.address, "GET", "/stream") as response:
+            assert response.read() == b"/stream 200"  # read to its end: the connection is kept
+        assert kept.request(server.address, "GET", "/after") == (200, b"/after 200")
+        assert server.connections == 2
+        with pytest.raises(RuntimeError):
+            with kept.streaming(server.address, "GET", "/left") as response:
+                raise RuntimeError("the caller stops before reading")  # unread: that connection is closed
+        assert kept.request(server.address, "GET", "/again")[0] == 200 and server.connections == 3
+
+
 def test_requests_in_flight_at_once_each_hold_their_own_connection():
     answers = []
     with served(wait_for=3) as (server, kept):  # no answer until three requests are in: one connection could not
