@@ -9,7 +9,8 @@ the spread over seeds.
 
 Every DiLoCo option takes a comma-separated list: the run is the product of them over the seeds, each
 baseline run once per seed and batch; results are appended to --results as they finish (a rerun with
-the same file skips what it holds), then one table (mean ± spread over seeds) and, with --plot, a PNG.
+the same file skips what it holds; an arm of another --steps than 150 is its own, compared only with baselines
+of its length), then one table (mean ± spread over seeds) and, with --plot, a PNG.
 
     python launch/bench/loss_parity.py [--nodes 2] [--steps 150] [--inner-steps 10]
     python launch/bench/loss_parity.py --nodes 2 --inner-steps 10,25,50 --outer-lr 0.4,0.7,1.0 \\
@@ -47,6 +48,7 @@ from prime.data.loader import (
 )
 from prime.data.tokenizer import ByteTokenizer
 
+DEFAULT_STEPS = 150  # an arm run at another length carries "steps" (a result is reused only for its own length)
 # The DiLoCo options a sweep varies: flag -> (config key, type).
 SWEPT = {
     "inner_steps": ("diloco.inner_steps", int),
@@ -86,10 +88,11 @@ def arm_key(arm: dict) -> str:
 def run_arm(arm: dict, args, config, corpus: Path, tmp: Path) -> float:
     """Trains one arm in `tmp` and returns its final eval loss."""
     batch = config.train.batch_size * arm["batch_mult"]
-    common = ["--data.path", str(corpus), "--train.max_steps", str(args.steps), "--train.eval_every", "0",
+    common = ["--data.path", str(corpus), "--train.max_steps", str(arm.get("steps", DEFAULT_STEPS)), "--train.eval_every", "0",
               "--checkpoint.every", "0", "--quiet", "--train.seed", str(arm["seed"]), "--data.seed", str(arm["seed"]),
               "--optim.warmup_steps", str(arm.get("warmup", config.optim.warmup_steps))]
-    final = f"step_{args.steps:08d}"
+    steps = arm.get("steps", DEFAULT_STEPS)
+    final = f"step_{steps:08d}"
     if arm["kind"] == "diloco":
         flags = list(common) + ["--train.batch_size", str(batch)]
         for name, (key, _) in SWEPT.items():
@@ -112,15 +115,16 @@ def plan(args, config) -> list[dict]:
     values.setdefault("batch_mult", [1])
     values.setdefault("warmup", [config.optim.warmup_steps])
     names = sorted(values)
+    length = {"steps": args.steps} if args.steps != DEFAULT_STEPS else {}
     arms = []
     for seed in args.seeds:
         for combo in itertools.product(*(values[n] for n in names)):
-            arms.append({"kind": "diloco", "nodes": args.nodes, "seed": seed, **dict(zip(names, combo))})
+            arms.append({"kind": "diloco", "nodes": args.nodes, "seed": seed, **dict(zip(names, combo)), **length})
         for mult in values["batch_mult"]:
             for warmup in values["warmup"]:
                 for kind in ("data-parallel", "one node") if args.baselines else ():
                     arms.append({"kind": kind, "nodes": args.nodes if kind == "data-parallel" else 1, "seed": seed,
-                                 "batch_mult": mult, "warmup": warmup})
+                                 "batch_mult": mult, "warmup": warmup, **length})
     return arms
 
 
@@ -141,7 +145,8 @@ def summarise(results: dict[str, float], arms: list[dict]) -> list[dict]:
                "spread": (max(losses) - min(losses)) / 2 if len(losses) > 1 else 0.0}
         for kind in ("data-parallel", "one node"):
             base = {"kind": kind, "nodes": shape["nodes"] if kind == "data-parallel" else 1,
-                    "batch_mult": shape["batch_mult"], "warmup": shape.get("warmup")}
+                    "batch_mult": shape["batch_mult"], "warmup": shape.get("warmup"),
+                    **({"steps": shape["steps"]} if "steps" in shape else {})}
             ref = groups.get(arm_key(base), {})
             same = [ref[seed] for seed in by_seed if seed in ref]
             row[kind] = statistics.fmean(same) if len(same) == len(by_seed) else None
@@ -156,12 +161,14 @@ def _label(row: dict) -> str:
 
 def table(rows: list[dict], args) -> str:
     swept = [n for n in SWEPT if any(n in r for r in rows if r["kind"] == "diloco")]
+    swept += ["steps"] if any("steps" in r for r in rows) else []
     head = ["arm", *swept, "seeds", "eval loss (mean ± half-range)", "/ data-parallel", "/ one node"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"])):
         ratio = [f"{r['mean'] / r[k]:.4f}" if r.get(k) and r["kind"] != k else "" for k in ("data-parallel", "one node")]
         cells = [_label(r),
-                 *[str(r.get(n, "")) if r["kind"] == "diloco" or n in ("batch_mult", "warmup") else "" for n in swept],
+                 *[str(r.get(n, DEFAULT_STEPS if n == "steps" else "")) if r["kind"] == "diloco" or
+                   n in ("batch_mult", "warmup", "steps") else "" for n in swept],
                  str(r["seeds"]), f"{r['mean']:.4f} ± {r['spread']:.4f}", *ratio]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -186,6 +193,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                                                                                         ("inner_steps", "outer_lr",
                                                                                          "outer_momentum")))
               for r in rows]
+    labels = [label + (f", {r['steps']} steps" if "steps" in r else "") for label, r in zip(labels, rows)]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     colors = ["tab:blue" if r["kind"] == "diloco" else "tab:gray" for r in rows]
     ax.barh(range(len(rows)), [r["mean"] for r in rows], xerr=[r["spread"] for r in rows], color=colors)
@@ -256,7 +264,8 @@ def main() -> int:
             print(f"eval loss: DiLoCo (int8) {diloco['mean']:.4f}, data-parallel {diloco['data-parallel']:.4f}, "
                   f"ratio {diloco['mean'] / diloco['data-parallel']:.4f}")
     if args.plot:
-        plot(rows, args.plot, f"{args.config}, {args.steps} steps, seeds {seeds}")
+        other = " (or as a bar says)" if any(r.get("steps", args.steps) != args.steps for r in rows) else ""
+        plot(rows, args.plot, f"{args.config}, {args.steps} steps{other}, seeds {seeds}")
         print(f"plot: {args.plot}")
     return 0
 
