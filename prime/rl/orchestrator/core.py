@@ -24,11 +24,8 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import itertools
 import logging
-import math
 import random
 import threading
 import time
@@ -42,6 +39,7 @@ from prime.inference.sampling import SamplingParams
 from prime.rl.environments.base import Environment, Task
 from prime.rl.grpo import GRPOConfig, group_advantages
 from prime.rl.orchestrator.config import OrchestratorConfig
+from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import PolicyVersions
 from prime.rl.service import Refused
 from prime.verify.verifier import Claim
@@ -266,10 +264,10 @@ class Orchestrator:
         """Verifies a submission and keeps its groups, or drops it as stale, or evicts its worker."""
         expected = len(lease.prompts) * self.config.group_size
         try:
-            completions = [_completion(entry) for entry in body["completions"]]
+            completions = [completion_from_wire(entry) for entry in body["completions"]]
             if len(completions) != expected:
                 raise ValueError(f"{len(completions)} completions for a lease of {expected} requests")
-        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        except MALFORMED as e:
             return self._evict(lease, expected, f"malformed submission: {e}")
         if lease.version < self.oldest_usable:
             return self._stale(lease, expected)
@@ -485,20 +483,3 @@ def _timing(groups: list[Group], asked_at: float) -> dict:
             "arrived_to_verified_s": median([g.verified_at - g.submitted_at for g in groups]),
             "verified_to_batch_s": median([now - g.verified_at for g in groups]),
             "asked_to_built_s": round(max(0.0, now - asked_at), 4)}
-
-
-def _completion(entry: dict) -> Completion:
-    """A worker's completion, type-checked (what it claims is for the verifier to judge)."""
-    tokens, logprobs = entry["tokens"], entry["logprobs"]
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ValueError("tokens must be a list of integers")
-    if not isinstance(logprobs, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs):
-        raise ValueError("logprobs must be a list of numbers")
-    if not all(math.isfinite(x) for x in logprobs):
-        raise ValueError("logprobs must be finite")
-    finish = entry["finish_reason"]
-    if finish not in ("eos", "length"):
-        raise ValueError(f"finish_reason {str(finish)[:20]!r} is neither eos nor length")
-    proof = base64.b64decode(str(entry["proof"]), validate=True)
-    return Completion(tokens=tokens, logprobs=[float(x) for x in logprobs], finish_reason=finish, proof=proof,
-                      compute_dtype=str(entry.get("compute_dtype", "float32"))[:16])
