@@ -81,6 +81,9 @@ class BroadcastSettings(BaseModel):
                                    "against 0.84 s.")
     upload_slots: int = Field(4, ge=1, le=64, description="Chunks this member sends at once; more requests are "
                               "told to ask elsewhere (a seeder that serves everyone at once finishes no chunk soon).")
+    follow_overlap: int = Field(1, ge=1, le=4, description="Versions a follower downloads at once: with 2, a "
+                                "version announced while the last one's final chunks are still coming starts at "
+                                "once instead of after them (a stream of small versions, such as an RL policy's).")
     chunk_mb: float = Field(0.5, gt=0, le=256, description="Publishing: the chunk size, MiB. Smaller chunks let "
                             "relays pass bytes on sooner; larger ones cost fewer requests.")
     host: str = Field("0.0.0.0", description="Address the chunk server listens on.")
@@ -283,10 +286,17 @@ class BroadcastMember:
                on_failed: Callable[[dict, BroadcastError], None] | None = None) -> None:
         """A relay: fetches every new version as it is announced (the newest, skipping any it fell behind
         on), serves it, keeps the last `keep`. on_announced(manifest) runs when a version is announced,
-        before its download (its manifest is signed: the version is real); on_failed(manifest, error) when
-        that download gave up. Returns when stop() is called."""
+        before its download (its manifest is signed: the version is real); on_version(target, report) when
+        it is complete, on_failed(manifest, error) when its download gave up. With settings.follow_overlap
+        above 1 up to that many downloads run at once, each on its own thread, and their callbacks may run
+        concurrently and out of version order. Returns when stop() is called."""
         newest = max(self.held, default=-1)
+        running: list[threading.Thread] = []  # the downloads under way, oldest first
         while not self._stop.is_set():
+            running = [t for t in running if t.is_alive()]
+            if len(running) >= self.settings.follow_overlap:
+                running[0].join(timeout=0.5)
+                continue
             try:
                 found = self._wait_newer(newest, timeout_s=3600)
             except BroadcastError as e:  # the coordinator gone for a while: a relay outlives it
@@ -296,19 +306,28 @@ class BroadcastMember:
             if found is None:
                 continue
             manifest, holders = found
+            newest = int(manifest["version"])  # the next wait is for a newer one (any between are skipped)
             if on_announced:
                 on_announced(manifest)
-            try:
-                target, report = self.fetch(manifest=manifest, only=only, holders=holders)
-            except BroadcastError as e:
-                log.warning("%s %d not fetched: %s", self.kind, manifest["version"], e)
-                newest = max(newest, int(manifest["version"]))
-                if on_failed:
-                    on_failed(manifest, e)
-                continue
-            newest = target.version
-            if on_version:
-                on_version(target, report)
+            download = threading.Thread(target=self._follow_one, args=(manifest, holders, only, on_version, on_failed),
+                                        name=f"follow-{self.kind}-{newest}", daemon=True)
+            download.start()
+            running.append(download)
+            if self.settings.follow_overlap == 1:
+                download.join()  # one at a time: the caller's callbacks never run concurrently
+        for download in running:  # stopped: each ends at its next chunk or timeout
+            download.join(timeout=self.settings.timeout_s)
+
+    def _follow_one(self, manifest: dict, holders: list[dict], only, on_version, on_failed) -> None:
+        try:
+            target, report = self.fetch(manifest=manifest, only=only, holders=holders)
+        except BroadcastError as e:
+            log.warning("%s %d not fetched: %s", self.kind, manifest["version"], e)
+            if on_failed:
+                on_failed(manifest, e)
+            return
+        if on_version:
+            on_version(target, report)
 
     # ---- holding and announcing --------------------------------------------------------------------
     def _hold(self, version: int, item: Chunked | ChunkDir) -> None:

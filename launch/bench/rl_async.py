@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -48,7 +49,12 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
         with cluster:
             cluster.start(WORKERS)
             started, cpu_before = time.monotonic(), _cpu_times()
+            pids = {name: proc.pid for name, proc in cluster.procs.items()}
+            if wan.emulator_pid is not None:
+                pids["emulator"] = wan.emulator_pid
+            role_cpu: dict[str, float] = {}
             while cluster.procs["orchestrator"].poll() is None and time.monotonic() - started < budget_s:
+                role_cpu.update(_process_cpu_s(pids))  # the last reading before each exits
                 time.sleep(1.0)
             cpu_busy = _busy_fraction(cpu_before, _cpu_times())
             timed_out = cluster.procs["orchestrator"].poll() is None
@@ -73,6 +79,7 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             **_version_path(trainer, cluster.events("version"), workers),
             "worker_time": {k: round(sum(w.get(k, 0.0) for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9), 3)
                             for k in ("busy_s", "lease_s", "waiting_s", "submit_s", "fetching_s")},
+            "cpu_s_per_version": {name: round(seconds / max(len(trainer), 1), 3) for name, seconds in role_cpu.items()},
             "trainer_time": {k: round(_mean(r.get(k) for r in trainer), 4) for k in ("update_s", "save_s", "publish_s")},
             "batch_path": {k: round(_mean(b.get(k) for b in batches), 3) for k in BATCH_PATH},
             "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
@@ -82,6 +89,18 @@ def _cpu_times() -> tuple[int, int]:
     """(idle, total) jiffies of this machine's CPUs since boot, from /proc/stat."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
+
+
+def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each running process has used so far, from /proc/<pid>/stat."""
+    tick, seconds = os.sysconf("SC_CLK_TCK"), {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited: its last reading stands
+        seconds[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat(5))
+    return seconds
 
 
 def _busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
@@ -165,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
               + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
                                                for k, v in result["worker_time"].items()), flush=True)
+        print("  CPU seconds per version: " + ", ".join(f"{name} {v:.3f}" for name, v in
+                                                         result["cpu_s_per_version"].items()), flush=True)
         print("  a batch's groups (mean over batches): " + ", ".join(
             f"{k.removesuffix('_s').replace('_', ' ')} {_s(v, 3)} s" for k, v in result["batch_path"].items()), flush=True)
     if args.json:

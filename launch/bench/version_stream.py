@@ -39,6 +39,9 @@ from elastic_mesh.control.process_tree import kill_tree
 from elastic_mesh.coordinator.run import make_token
 from launch.cluster import REPO, wait_for
 from launch.wan.harness import LinkProfile, WanTopology
+from prime.rl.policy_transport import policy_broadcast_settings, policy_chunk_bytes
+
+POLICY = policy_broadcast_settings(keep=2, advertise_host=None)
 
 SKIP_FIRST = 2  # versions whose fetch opens the connections
 
@@ -67,7 +70,8 @@ def run_mode(mode: str, args, root: Path) -> dict:
             wait_for(lambda: (state / "address").exists(), 60, "the coordinator")
             publisher = make_token(state, 3600, role="node", publish=True)
             member = [sys.executable, str(REPO / "launch" / "bench" / "version_stream_member.py")]
-            common = ["--chunk-mb", str(args.chunk_mb), "--payload-mb", str(args.payload_mb),
+            common = ["--chunk-mb", str(args.chunk_mb), "--follow-overlap", str(args.follow_overlap),
+                      "--payload-mb", str(args.payload_mb),
                       "--upload-slots", str(args.upload_slots), "--streams-per-source", str(args.streams_per_source),
                       *(["--verbose"] if args.verbose else [])]
             for f in followers:
@@ -108,7 +112,10 @@ def main() -> int:
                                      epilog="example: sudo python launch/bench/version_stream.py --followers 3")
     parser.add_argument("--followers", type=int, default=3, help="followers (default 3: an orchestrator and 2 workers)")
     parser.add_argument("--payload-mb", type=float, default=1.2, help="a version's size (default 1.2: the digit policy)")
-    parser.add_argument("--chunk-mb", type=float, default=0.125, help="chunk size, MiB (default 0.125, as RL policies)")
+    parser.add_argument("--chunk-mb", type=float, default=None, help="chunk size, MiB (default: what an RL policy of "
+                        "--payload-mb travels in, prime.rl.policy_transport: 1/32 for 1.2 MB)")
+    parser.add_argument("--follow-overlap", type=int, default=POLICY.follow_overlap,
+                        help=f"versions a follower downloads at once (default {POLICY.follow_overlap}, as RL policies)")
     defaults = BroadcastSettings()
     parser.add_argument("--upload-slots", type=int, default=defaults.upload_slots,
                         help=f"chunks each member sends at once (default {defaults.upload_slots}, the setting's)")
@@ -123,6 +130,8 @@ def main() -> int:
     parser.add_argument("--verbose", action="store_true", help="every member logs every chunk (with --keep)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the logs under this folder")
     args = parser.parse_args()
+    if args.chunk_mb is None:
+        args.chunk_mb = policy_chunk_bytes(int(args.payload_mb * 1e6)) / (1 << 20)
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-version-stream-"))
     results = {}
     for mode in [m for m in args.modes.split(",") if m]:

@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--chunk-mb", type=float, default=0.125)
     parser.add_argument("--upload-slots", type=int, default=BroadcastSettings().upload_slots)
     parser.add_argument("--streams-per-source", type=int, default=BroadcastSettings().streams_per_source)
+    parser.add_argument("--follow-overlap", type=int, default=1, help="versions a follower downloads at once")
     parser.add_argument("--origin-only", action="store_true", help="fetch from the publisher only, serve nothing")
     parser.add_argument("--no-stream", action="store_true", help="a request per chunk (BroadcastSettings.stream off)")
     parser.add_argument("--verbose", action="store_true", help="log every chunk: where from, how long")
@@ -44,7 +45,8 @@ def main() -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s.%(msecs)03d %(name)s %(message)s", datefmt="%H:%M:%S")
     settings = BroadcastSettings(keep=2, chunk_mb=args.chunk_mb, upload_slots=args.upload_slots,
-                                 streams_per_source=args.streams_per_source, stream=not args.no_stream)
+                                 streams_per_source=args.streams_per_source, stream=not args.no_stream,
+                                 follow_overlap=args.follow_overlap)
     member = BroadcastMember(args.token, KIND, args.work_dir, settings, serve=not args.origin_only)
     out = args.out.open("a")
     stop = threading.Event()

@@ -128,6 +128,11 @@ class WanTopology:
     def exec_prefix(self, host: str) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(host)]
 
+    @property
+    def emulator_pid(self) -> int | None:
+        """The user-space emulator's process (tun backend), for a benchmark that counts its CPU time."""
+        return self._emulator.pid if self._emulator is not None and self._emulator.poll() is None else None
+
     def interface(self) -> str:
         return "wan0"
 

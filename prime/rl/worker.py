@@ -38,6 +38,7 @@ from prime.rl.policy_transport import (
     fetch_policy,
     meta_of,
     policy_broadcast_settings,
+    prune_policies,
     write_policy,
 )
 from prime.verify.thresholds import ToplocThresholds
@@ -60,7 +61,7 @@ class HeldPolicy:
         self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.coming = -1  # the version the follower is downloading now, if any
+        self.coming: set[int] = set()  # the versions the follower is downloading now
         # version -> wall clock when it was announced here, fetched (verified), could generate (for the benchmark)
         self.announced_at: dict[int, float] = {}
         self.fetched_at: dict[int, float] = {}
@@ -71,7 +72,10 @@ class HeldPolicy:
             if version in self.engines:
                 return
         started = time.monotonic()
-        model = load_hf_policy(directory, dtype=self.dtype)
+        try:
+            model = load_hf_policy(directory, dtype=self.dtype)
+        except OSError as e:  # pruned meanwhile: two newer versions were loaded
+            raise BroadcastError(f"version {version} was retired while it was loaded ({e})") from None
         engine = HFEngine(model, pad_id=int(model.config.pad_token_id or 0),
                           proof=ToplocThresholds.load(directory).proof)
         with self.changed:
@@ -81,6 +85,8 @@ class HeldPolicy:
                 del self.engines[old]
             self.loaded_at[version] = time.time()
             self.changed.notify_all()
+            oldest = min(self.engines)
+        prune_policies(self.root, oldest)
         log.info("policy version %d loaded in %.2f s%s", version, time.monotonic() - started,
                  f" (fetched in {fetch_s:.2f} s)" if fetch_s is not None else "")
 
@@ -101,15 +107,16 @@ class HeldPolicy:
         now = time.monotonic()
         give_up, grace = now + timeout_s, now + grace_s
         with self.changed:
-            while self.version < version and (self.coming >= version or time.monotonic() < grace) \
+            while self.version < version and (max(self.coming, default=-1) >= version or time.monotonic() < grace) \
                     and time.monotonic() < give_up:
-                self.changed.wait(0.05 if self.coming < version else 0.5)
+                self.changed.wait(0.05 if max(self.coming, default=-1) < version else 0.5)
             return self.version >= version
 
     def _announced(self, manifest: dict) -> None:
         with self.changed:
-            self.coming = int(manifest["version"])
-            self.announced_at[self.coming] = time.time()
+            version = int(manifest["version"])
+            self.coming.add(version)
+            self.announced_at[version] = time.time()
             self.changed.notify_all()
 
     def _fetched(self, target, report) -> None:
@@ -117,16 +124,21 @@ class HeldPolicy:
             self.fetched_at[target.version] = time.time()
         try:
             self.load(write_policy(target, self.root), target.version, report.seconds)
+        except BroadcastError as e:  # the follower goes on with the next version
+            log.warning("%s", e)
         finally:
-            self._settled()
+            self._settled(target.version)
 
-    def _settled(self, *_) -> None:
+    def _failed(self, manifest: dict, error: BroadcastError) -> None:
+        self._settled(int(manifest["version"]))
+
+    def _settled(self, version: int) -> None:
         with self.changed:
-            self.coming = -1
+            self.coming.discard(version)
             self.changed.notify_all()
 
     def follow(self) -> None:
-        self.member.follow(on_version=self._fetched, on_announced=self._announced, on_failed=self._settled)
+        self.member.follow(on_version=self._fetched, on_announced=self._announced, on_failed=self._failed)
 
 
 def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:

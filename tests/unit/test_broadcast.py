@@ -278,6 +278,41 @@ def test_a_member_keeps_its_connections_from_one_version_to_the_next(run):
             m.stop()
 
 
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_a_follower_starts_a_new_version_while_the_last_ones_chunks_still_arrive_only_with_overlap(run, overlap):
+    """follow_overlap=2: version 2, announced while version 1's slowed chunks still arrive, starts at once
+    (its download begins right after its announcement); with 1 it waits for version 1 to finish. Both
+    arrive either way."""
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    member = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "m", SETTINGS.model_copy(
+        update={"follow_overlap": overlap}))
+    origin.server.before_chunk = lambda kind, version, index: time.sleep(0.15 if version == 1 else 0.0)
+    events, lock = [], threading.Lock()
+
+    def note(what: str, version: int) -> None:
+        with lock:
+            events.append((what, version))
+    follower = threading.Thread(target=member.follow, daemon=True, kwargs={
+        "on_announced": lambda manifest: note("announced", manifest["version"]),
+        "on_version": lambda target, report: note("complete", target.version)})
+    try:
+        origin.publish(1, payload())  # 20 chunks: 3 s at 0.15 s a chunk
+        follower.start()
+        wait_until(lambda: ("announced", 1) in events)
+        time.sleep(0.3)
+        origin.publish(2, payload())
+        wait_until(lambda: ("complete", 2) in events and ("complete", 1) in events, 30)
+        if overlap == 2:
+            assert events.index(("announced", 2)) < events.index(("complete", 1)), events
+        else:
+            assert events.index(("complete", 1)) < events.index(("announced", 2)), events
+        assert {v for what, v in events if what == "complete"} == {1, 2} and len(events) == 4, events
+    finally:
+        for m in (origin, member):
+            m.stop()
+
+
 def test_a_new_version_comes_with_its_holders_and_a_publish_costs_one_request(run):
     """The wait answer names who holds the version (a follower starts its download from it), and the
     publish answer carries the signed manifest (the publisher asks for nothing more)."""

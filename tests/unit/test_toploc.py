@@ -146,6 +146,24 @@ def test_attack_is_rejected_with_a_reason_that_names_it(attack, attack_context, 
         assert attack.expected_check in verdict.rejected_by, verdict.reason
 
 
+def test_claims_verified_together_get_the_verdicts_they_get_alone(attack_context, verifier):
+    """The per-token checks run over every claim of a batch at once (Verifier._token_checks): honest and
+    forged claims of several sampling settings, interleaved in one call, must each get the verdict, and the
+    reason, that they get verified one by one."""
+    by_name = {a.name: a for a in ATTACKS}
+    forged = [claim for name in ("one token edited (proof rebuilt)", "fabricated logprobs (+0.01)",
+                                 "another temperature (1.3 for 1.0)", "cut short with a faked EOS (proof rebuilt)")
+              for claim in by_name[name].forge(attack_context)[:2]]
+    honest = attack_context.honest[:8]
+    greedy = [replace(c, sampling=c.sampling.model_copy(update={"temperature": 0.0})) for c in honest[:2]]
+    mixed = [claim for pair in zip(honest, forged) for claim in pair] + greedy
+    together = verifier.verify(mixed)
+    alone = [verifier.verify([claim])[0] for claim in mixed]
+    assert [v.reason for v in together] == [v.reason for v in alone]
+    assert [v.accepted for v in together[:16]] == [True, False] * 8
+    assert not any(v.accepted for v in together[16:])  # sampled at temperature 1, claimed greedy
+
+
 def test_malformed_claims_get_a_format_verdict(attack_context, verifier):
     honest = attack_context.honest[0]
     completion = honest.completion

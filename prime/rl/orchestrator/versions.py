@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from elastic_mesh.broadcast.member import BroadcastError, BroadcastMember
 from prime.inference.hf_engine import eos_id_of, load_hf_policy
-from prime.rl.policy_transport import fetch_policy, write_policy
+from prime.rl.policy_transport import fetch_policy, prune_policies, write_policy
 from prime.verify.thresholds import ToplocThresholds
 from prime.verify.verifier import Verifier
 
@@ -33,6 +33,7 @@ class PolicyVersions:
         # The newest version the coordinator announced (a signed manifest): workers may be leased work on
         # it while it is still on its way here; its rollouts wait for it in verifier().
         self.announced = -1
+        self.loading: set[int] = set()  # announced versions the follower is downloading (two may overlap)
         self.on_new: Callable[[int], None] = lambda version: None
         self.on_announced: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()
@@ -42,19 +43,36 @@ class PolicyVersions:
     def follow(self) -> None:
         """Blocks: loads every version as it is announced (skipping any it fell behind on)."""
         threading.current_thread().name = "policy-versions"
-        self.member.follow(on_version=lambda target, report: self._load(write_policy(target, self.root),
-                                                                       target.version, report.seconds),
-                           on_announced=self._announce)
+        self.member.follow(on_version=self._followed, on_announced=self._announce, on_failed=self._failed)
+
+    def _followed(self, target, report) -> None:
+        try:
+            self._load(write_policy(target, self.root), target.version, report.seconds)
+        except OSError as e:  # pruned while it was loaded: two newer versions overtook it
+            log.warning("version %d not loaded: %s", target.version, e)
 
     def _announce(self, manifest: dict) -> None:
         with self._lock:
             self.announced = max(self.announced, int(manifest["version"]))
+            self.loading.add(int(manifest["version"]))
         self.on_announced(self.announced)
 
-    def _load(self, directory: Path, version: int, fetch_s: float) -> None:
-        model = load_hf_policy(directory)
-        thresholds = ToplocThresholds.load(directory)
+    def _failed(self, manifest: dict, error: BroadcastError) -> None:
         with self._lock:
+            self.loading.discard(int(manifest["version"]))
+            self._loaded.notify_all()
+
+    def _load(self, directory: Path, version: int, fetch_s: float) -> None:
+        try:
+            model = load_hf_policy(directory)
+            thresholds = ToplocThresholds.load(directory)
+        except BaseException:
+            with self._lock:
+                self.loading.discard(version)
+                self._loaded.notify_all()
+            raise
+        with self._lock:
+            self.loading.discard(version)  # with the verifier in place: a waiter sees one or the other
             if self.tokenizer is None:
                 self.tokenizer = AutoTokenizer.from_pretrained(directory)
             self.models[version] = model
@@ -64,6 +82,8 @@ class PolicyVersions:
             for old in [v for v in self.models if v <= self.newest - self.keep]:
                 del self.models[old], self.verifiers[old]
             self._loaded.notify_all()
+            oldest = min(self.models, default=version)
+        prune_policies(self.root, oldest)
         log.info("policy version %d loaded (fetched in %.2f s)", version, fetch_s)
         self.on_new(version)
 
@@ -72,7 +92,8 @@ class PolicyVersions:
         wait_s), fetched now if the follower skipped it. KeyError: no longer held, or never announced."""
         deadline = time.monotonic() + wait_s
         with self._lock:
-            while self.newest < version <= self.announced and time.monotonic() < deadline:
+            while version not in self.verifiers and time.monotonic() < deadline \
+                    and (version in self.loading or self.newest < version <= self.announced):
                 self._loaded.wait(max(0.0, min(1.0, deadline - time.monotonic())))
             if version in self.verifiers:
                 return self.verifiers[version]
@@ -81,7 +102,7 @@ class PolicyVersions:
         with self._fetching:
             try:
                 self._load(fetch_policy(self.member, self.member.manifest(version), self.root), version, 0.0)
-            except BroadcastError as e:
+            except (BroadcastError, OSError) as e:  # OSError: pruned while loaded (newer ones came)
                 log.warning("version %d could not be fetched for verification: %s", version, e)
                 raise KeyError(version) from None
         with self._lock:
