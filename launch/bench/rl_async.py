@@ -36,7 +36,8 @@ BATCH_PATH = ("leased_to_arrived_s", "arrived_to_verified_s", "verified_to_batch
 
 
 def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int,
-              publish_dtype: str, prompts_per_lease: int, trusted_together: bool = False, in_flight: int = 2) -> dict:
+              publish_dtype: str, prompts_per_lease: int, trusted_together: bool = False, in_flight: int = 2,
+              trainer_sets: list[str] | None = None) -> dict:
     # trusted_together: the trainer and the orchestrator on one host (one datacenter behind one access link);
     # otherwise each behind its own, as every other role.
     placement = {"trainer": "trusted", "orchestrator": "trusted"} if trusted_together else {}
@@ -45,7 +46,7 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
         cluster = RLCluster(out, policy, wan=wan, placement=placement, orchestrator_sets=[
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
             f"prompts_per_lease={prompts_per_lease}"],
-            trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}"], worker_args=[f"--in-flight={in_flight}"])
+            trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}", *(trainer_sets or [])], worker_args=[f"--in-flight={in_flight}"])
         with cluster:
             cluster.start(WORKERS)
             started, cpu_before = time.monotonic(), _cpu_times()
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trusted-together", action="store_true",
                         help="run the trainer and the orchestrator on one host behind one access link (both "
                         "trusted: one datacenter); default: each behind its own, like every other role")
+    parser.add_argument("--trainer-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a trainer config field at every level (e.g. grpo.decoupled=false)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for level in levels:
         shutil.rmtree(root / f"async{level}", ignore_errors=True)
         result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype,
-                           args.prompts_per_lease, args.trusted_together, args.in_flight)
+                           args.prompts_per_lease, args.trusted_together, args.in_flight, args.trainer_set)
         results.append(result)
         print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
               + ("trainer and orchestrator on one host, " if args.trusted_together else "") +
