@@ -124,8 +124,8 @@ class HeldPolicy:
             self.fetched_at[target.version] = time.time()
         try:
             self.load(write_policy(target, self.root), target.version, report.seconds)
-        except BroadcastError as e:  # the follower goes on with the next version
-            log.warning("%s", e)
+        except (BroadcastError, OSError) as e:  # retired meanwhile (newer ones came): on to the next version
+            log.warning("version %d not loaded: %s", target.version, e)
         finally:
             self._settled(target.version)
 
