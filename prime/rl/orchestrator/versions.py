@@ -48,8 +48,9 @@ class PolicyVersions:
     def _followed(self, target, report) -> None:
         try:
             self._load(write_policy(target, self.root), target.version, report.seconds)
-        except OSError as e:  # pruned while it was loaded: two newer versions overtook it
+        except OSError as e:  # retired or pruned meanwhile: newer versions overtook it
             log.warning("version %d not loaded: %s", target.version, e)
+            self._failed({"version": target.version}, BroadcastError(str(e)))
 
     def _announce(self, manifest: dict) -> None:
         with self._lock:
