@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 KEY_HEADER = "X-Mesh-Transfer-Key"
 TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)  # Linux's value
+TCP_INFO = getattr(socket, "TCP_INFO", None)  # its first byte is the connection's state
+TCP_ESTABLISHED = 1
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -227,9 +229,13 @@ def _wait_until_sent(conn, low_water: int, give_up_s: float, unsent_only: bool =
     while time.monotonic() < deadline:
         try:
             queued = struct.unpack("i", fcntl.ioctl(conn.fileno(), request, b"\0" * 4))[0]
+            state = conn.getsockopt(socket.IPPROTO_TCP, TCP_INFO, 1)[0] if TCP_INFO else TCP_ESTABLISHED
         except OSError:  # not Linux, or the connection closed: nothing to wait for
             return
-        if queued <= low_water:
+        # A peer that died (a reset) leaves the unsent count where it was: waiting on it held an upload slot,
+        # and a stream's frame lock with it, for give_up_s (every other stream stalled past its readers'
+        # timeouts when a relay was SIGKILLed mid-transfer).
+        if queued <= low_water or state != TCP_ESTABLISHED:
             return
         time.sleep(delay)
         delay = min(delay * 1.5, 0.005 if unsent_only else 0.02)

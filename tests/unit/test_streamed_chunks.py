@@ -179,3 +179,33 @@ def test_a_frame_of_the_wrong_size_ends_the_stream_before_its_bytes_are_read():
         conns.close()
         server.shutdown()
         server.server_close()
+
+
+def test_waiting_for_a_peer_to_take_its_bytes_ends_when_the_peer_is_gone():
+    """A stream holds the server's frame lock while its frame drains (`_wait_until_sent`). A peer killed with
+    bytes still unsent leaves the kernel's unsent count where it was; the wait must end at the reset, not
+    after give_up_s (the relay-killed e2e test: every other stream stalled past its readers' timeouts)."""
+    import socket
+
+    from elastic_mesh.transfer.server import _wait_until_sent
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    receiver = socket.create_connection(listener.getsockname())
+    sender, _ = listener.accept()
+    sender.setblocking(False)
+    try:
+        while True:  # the receiver reads nothing: fill its window and the sender's buffer
+            sender.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    sender.setblocking(True)
+    started = time.monotonic()
+    _wait_until_sent(sender, low_water=16 << 10, give_up_s=0.3, unsent_only=True)
+    assert time.monotonic() - started >= 0.29  # alive and not reading: the wait lasts its give_up_s
+    receiver.close()  # with unread bytes: the kernel answers the sender with a reset
+    time.sleep(0.1)
+    started = time.monotonic()
+    _wait_until_sent(sender, low_water=16 << 10, give_up_s=5.0, unsent_only=True)
+    assert time.monotonic() - started < 0.5
+    for s in (sender, listener):
+        s.close()
