@@ -56,14 +56,17 @@ def policy_update(model, optimizer, rows: list[Row], config: GRPOConfig, tempera
             reference_logprobs = token_logprobs(reference(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature)
     model.train()
     stats: dict[str, float] = {"rows": float(len(rows))}
+    proximal = None
     for epoch in range(epochs):
         logits = model(input_ids=ids).logits[:, :-1]  # right padding, causal: pads are never attended to
         new = token_logprobs(logits, ids[:, 1:], temperature)
+        if config.decoupled and proximal is None:
+            proximal = new.detach()  # the policy before this batch's first step
         with torch.set_grad_enabled(config.entropy_coef > 0):  # a bonus needs its gradient; a statistic does not
             logp = torch.log_softmax(logits.float() / temperature, -1)
             entropy = -(logp.exp() * logp).sum(-1)
         loss, loss_stats = grpo_loss(new, old, advantages, mask, config, reference=reference_logprobs,
-                                     entropy=entropy)
+                                     entropy=entropy, proximal=proximal)
         optimizer.zero_grad(set_to_none=True)
         (loss * loss_scale).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

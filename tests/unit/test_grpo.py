@@ -37,6 +37,24 @@ def test_two_sided_clipping_bounds_the_objective_and_stops_the_gradient_where_cl
     assert stats["ratio_max"] == pytest.approx(5.0) and stats["delta_capped_fraction"] == pytest.approx(1 / 8)
 
 
+def test_decoupled_clipping_centres_on_the_proximal_policy_and_weights_by_its_ratio_to_the_generating_one():
+    config = GRPOConfig(epsilon=0.2, behaviour_weight_max=2.0)
+    old = torch.log(torch.tensor([[0.1, 0.1, 0.4, 0.4]]))
+    proximal = torch.log(torch.tensor([[0.15, 0.5, 0.4, 0.4]]))  # the trainer's policy has moved since sampling
+    new = torch.log(torch.tensor([[0.15, 0.5, 0.44, 0.6]])).requires_grad_(True)
+    loss, stats = grpo_loss(new, old, torch.tensor([1.0]), torch.ones(1, 4), config, proximal=proximal)
+    # ratios to proximal 1, 1, 1.1, 1.5 (the last clipped at 1.2); weights 1.5, 5 -> 2 (truncated), 1, 1
+    assert loss.item() == pytest.approx(-(1.5 * 1 + 2 * 1 + 1.1 + 1.2) / 4, rel=1e-5)
+    loss.backward()
+    assert new.grad[0, 3] == 0 and (new.grad[0, :3] < 0).all()  # around the generating version three of four clip
+    plain, plain_stats = grpo_loss(new.detach(), old, torch.tensor([1.0]), torch.ones(1, 4), config)
+    assert plain_stats["clip_fraction"] == 0.75 and stats["clip_fraction"] == 0.25
+    assert stats["ratio_max"] == plain_stats["ratio_max"] == pytest.approx(5.0)  # the log measures the rows' age
+    assert stats["behaviour_weight_truncated_fraction"] == 0.25
+    same, _ = grpo_loss(new.detach(), old, torch.tensor([1.0]), torch.ones(1, 4), config, proximal=old)
+    assert same.item() == pytest.approx(plain.item())  # on-policy rows: the plain objective
+
+
 def test_the_loss_is_a_mean_over_completion_tokens_not_over_sequences():
     config = GRPOConfig()
     new = torch.zeros(2, 3)
