@@ -2,13 +2,18 @@
 seeded engine, score them with the environment's verifier, normalise within groups, take one step.
 
 The distributed roles (orchestrator, trainer, inference workers) are built from the same pieces; this
-loop is the reference they are measured against and a way to debug a task on one machine.
+loop is the reference they are measured against and a way to debug a task on one machine. With
+`staleness` k it generates with the policy of k updates ago, as an async-k run does once its pipeline
+is full: how much the learning itself loses to stale rollouts, apart from any pipeline
+(launch/bench/rl_staleness.py).
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,9 @@ class LoopConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     max_tokens: int = Field(5, gt=0, description="Completion limit; the reverse task needs max_digits + 1 (EOS).")
     eval_every: int = Field(20, gt=0)
+    staleness: int = Field(0, ge=0, le=16, description="Generate with the policy of this many updates ago (0: "
+                           "on-policy; an async-k run's rollouts are k versions old once its pipeline is full).")
+    stop_at_reward: float | None = Field(None, gt=0, le=1, description="End at the first evaluation reaching it.")
     seed: int = 0
     grpo: GRPOConfig = GRPOConfig(entropy_coef=ENTROPY_BONUS)
 
@@ -82,6 +90,10 @@ def run(model, tokenizer, env: Environment, config: LoopConfig, log=print) -> li
     """The synchronous loop; returns one record per step (eval reward where evaluated)."""
     rng = random.Random(config.seed)
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id)
+    # The generating policy: the model itself, or a copy holding the weights of `staleness` updates ago.
+    behaviour = copy.deepcopy(model) if config.staleness else model
+    sampler = HFEngine(behaviour, pad_id=tokenizer.pad_token_id) if config.staleness else engine
+    history = deque([copy.deepcopy(model.state_dict())], maxlen=config.staleness + 1) if config.staleness else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     train = env.tasks("train", config.seed)
     held_out = list(env.tasks("eval", config.seed))
@@ -92,11 +104,18 @@ def run(model, tokenizer, env: Environment, config: LoopConfig, log=print) -> li
         if step % config.eval_every == 0 or step == config.steps:
             record["eval_reward"] = evaluate(engine, env, tokenizer, held_out, config.max_tokens)
             log(f"step {step}: held-out reward {record['eval_reward']:.3f} at {record['time_s']} s")
+            if config.stop_at_reward is not None and record["eval_reward"] >= config.stop_at_reward:
+                records.append(record)
+                break
         if step < config.steps:
-            groups = generate_scored(engine, env, tokenizer, [next(train) for _ in range(config.prompts_per_step)],
+            if config.staleness:
+                behaviour.load_state_dict(history[0])  # the oldest kept: `staleness` updates ago (fewer at first)
+            groups = generate_scored(sampler, env, tokenizer, [next(train) for _ in range(config.prompts_per_step)],
                                      config.grpo.group_size, sampling, rng)
             rows, stats = rows_of(groups, config.grpo)
             record |= stats | policy_update(model, optimizer, rows, config.grpo, config.temperature,
                                             tokenizer.pad_token_id, config.epochs)
+            if config.staleness:
+                history.append(copy.deepcopy(model.state_dict()))
         records.append(record)
     return records

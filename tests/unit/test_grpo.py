@@ -147,3 +147,23 @@ def test_a_second_epoch_on_the_same_rows_is_off_policy_and_clipped():
                           epochs=3)
     assert stats["ratio_mean"] == pytest.approx(1.0) and stats["clip_fraction"] == 0  # the first pass is on-policy
     assert stats["last_ratio_max"] > 1.2 and stats["last_clip_fraction"] > 0  # later ones see the moved policy
+
+
+def test_the_loop_at_staleness_k_generates_with_the_policy_of_k_updates_ago(tmp_path):
+    from transformers import AutoTokenizer
+
+    from prime.inference.hf_engine import load_hf_policy
+    from prime.rl.loop import LoopConfig, run
+    from prime.rl.policy import new_digit_policy
+
+    directory = new_digit_policy(tmp_path / "policy", seed=0)
+    env = ReverseDigits(ReverseConfig(min_digits=4, max_digits=4, eval_tasks=8))
+    ratios = {}
+    for staleness in (0, 2):
+        config = LoopConfig(steps=3, prompts_per_step=8, lr=1e-2, eval_every=3, staleness=staleness)
+        records = run(load_hf_policy(directory), AutoTokenizer.from_pretrained(directory), env, config,
+                      log=lambda _: None)
+        ratios[staleness] = [r["ratio_mean"] for r in records if "ratio_mean" in r]
+    assert ratios[0] == pytest.approx([1.0] * 3, abs=1e-4)  # every batch on-policy
+    assert ratios[2][0] == pytest.approx(1.0, abs=1e-4)  # nothing older exists yet at the first step
+    assert all(abs(r - 1.0) > 1e-3 for r in ratios[2][1:])  # then rows of 1 and 2 updates ago
