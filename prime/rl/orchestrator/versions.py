@@ -50,7 +50,7 @@ class PolicyVersions:
             self._load(write_policy(target, self.root), target.version, report.seconds)
         except OSError as e:  # retired or pruned meanwhile: newer versions overtook it
             log.warning("version %d not loaded: %s", target.version, e)
-            self._failed({"version": target.version}, BroadcastError(str(e)))
+            self._not_loading(target.version)
 
     def _announce(self, manifest: dict) -> None:
         with self._lock:
@@ -59,8 +59,12 @@ class PolicyVersions:
         self.on_announced(self.announced)
 
     def _failed(self, manifest: dict, error: BroadcastError) -> None:
+        self._not_loading(int(manifest["version"]))
+
+    def _not_loading(self, version: int) -> None:
+        """The version will not arrive by the follower: a verification waiting for it stops waiting."""
         with self._lock:
-            self.loading.discard(int(manifest["version"]))
+            self.loading.discard(version)
             self._loaded.notify_all()
 
     def _load(self, directory: Path, version: int, fetch_s: float) -> None:
@@ -68,9 +72,7 @@ class PolicyVersions:
             model = load_hf_policy(directory)
             thresholds = ToplocThresholds.load(directory)
         except BaseException:
-            with self._lock:
-                self.loading.discard(version)
-                self._loaded.notify_all()
+            self._not_loading(version)
             raise
         with self._lock:
             self.loading.discard(version)  # with the verifier in place: a waiter sees one or the other
