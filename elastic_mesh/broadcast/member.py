@@ -349,7 +349,7 @@ class BroadcastMember:
                 self.server.forget(self.kind, version)
             if isinstance(item, ChunkDir):
                 item.remove()
-            log.info("%s %d retired (keeping the newest %d)", self.kind, version, self.settings.keep)
+            log.debug("%s %d retired (keeping the newest %d)", self.kind, version, self.settings.keep)
 
     def _announce_loop(self) -> None:
         last, announced = 0.0, set()

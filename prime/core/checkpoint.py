@@ -184,7 +184,7 @@ class CheckpointStore:
         complete = sorted(p for p in self.root.iterdir() if p.name.startswith(_PREFIX))
         for old in complete[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-            log.info("deleted old checkpoint %s (keeping the newest %d)", old.name, self.keep)
+            log.debug("deleted old checkpoint %s (keeping the newest %d)", old.name, self.keep)
 
 
 def _copied(value):
