@@ -181,6 +181,39 @@ def test_a_frame_of_the_wrong_size_ends_the_stream_before_its_bytes_are_read():
         server.server_close()
 
 
+def test_a_reader_that_stops_reading_does_not_hold_the_other_streams(tmp_path):
+    """Streamed frames go out one at a time (the server's frame lock) while their bytes leave. A requester
+    that stops reading (a worker starved of CPU, or one that means harm: workers are untrusted) closes its
+    window; its frame must give the lock up, not hold every other stream of the server at its pace until
+    the handler's 30 s timeout."""
+    import socket
+
+    from elastic_mesh.transfer.server import KEY_HEADER
+
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    server.publish(snapshot, "snapshot")
+    source = f"127.0.0.1:{server.port}"
+    path = f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}?stream=1"
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, closed after a few KiB
+    stuck.bind(("127.0.0.2", 0))  # another requester: a chunk sent to one is not withheld from the other
+    stuck.connect(("127.0.0.1", server.port))
+    stuck.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{KEY_HEADER}: {KEY}\r\n\r\n".encode())
+    time.sleep(0.3)  # its first frame is written and stops draining
+    conns = KeptConnections(10)
+    try:
+        started = time.monotonic()
+        got = [i for i, _ in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
+        assert sorted(got) == list(range(n))
+        assert time.monotonic() - started < 5  # ~2 MB on loopback; before, each frame waited out the stuck one
+    finally:
+        stuck.close()
+        conns.close()
+        server.stop()
+
+
 def test_waiting_for_a_peer_to_take_its_bytes_ends_when_the_peer_is_gone():
     """A stream holds the server's frame lock while its frame drains (`_wait_until_sent`). A peer killed with
     bytes still unsent leaves the kernel's unsent count where it was; the wait must end at the reset, not
