@@ -151,7 +151,6 @@ class _Handler(BaseHTTPRequestHandler):
             # window closed) would hold every other stream of this server at its pace, so a frame that
             # stops draining gives the lock up and this stream alone waits for its reader.
             self.server.frame_lock.acquire()
-            drained = True
             try:
                 if self.server.before_chunk is not None:
                     self.server.before_chunk(kind, item.version, index)
