@@ -7,6 +7,7 @@ longer shipped in Python), so the test checks what wandb actually stored, not wh
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,26 @@ from prime.core.metrics import MetricsConfig, MetricsWriter
 pytest.importorskip("wandb", reason="wandb is in the dev extra; make test installs it")
 
 
-def wandb_records(run_dir: Path) -> list:
-    """Every protobuf Record in the single offline run under run_dir/wandb."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def wandb_records(run_dir: Path, timeout_s: float = 30.0) -> list:
+    """Every protobuf Record in the single offline run under run_dir/wandb, once the run's exit record is
+    in it: wandb's writer runs in its own process and may still be flushing when finish() returns (once
+    in a full suite run the file held nothing yet)."""
     files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    data, pos, block, pending, out = files[0].read_bytes(), 7, 32768, b"", []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _read_records(files[0].read_bytes())
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _read_records(data: bytes) -> list:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    pos, block, pending, out = 7, 32768, b"", []
+    if len(data) < 7:  # not even the header written yet
+        return out
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         left = block - pos % block
@@ -33,6 +47,8 @@ def wandb_records(run_dir: Path) -> list:
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):  # FULL or LAST
@@ -70,7 +86,6 @@ def test_a_node_is_one_run_named_after_it_and_grouped_by_the_run_id(tmp_path):
     writer.close()
     records = wandb_records(tmp_path)
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    # Once in a full suite run (wandb 0.31.0) the file held no run record; say what it held if it happens again.
     kinds = [r.WhichOneof("record_type") for r in records]
     assert runs, f"no run record in the offline file; its records: {kinds[:40]}"
     run = runs[0]
