@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request, tmp_path_factory):
+    """`make test` runs two pytest workers (pytest-xdist): most tests wait on processes, sockets and
+    timeouts more than they compute. A test marked `alone` (measurements of the WAN emulator, whose
+    user-space links need the CPU they model) holds an exclusive lock; every other test a shared one."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def child_env() -> dict[str, str]:

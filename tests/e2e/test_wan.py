@@ -21,7 +21,8 @@ from launch.wan.harness import (
     can_emulate,
 )
 
-pytestmark = pytest.mark.skipif(can_emulate() is not None, reason=f"no WAN emulation here: {can_emulate()}")
+pytestmark = [pytest.mark.skipif(can_emulate() is not None, reason=f"no WAN emulation here: {can_emulate()}"),
+              pytest.mark.alone]  # the emulator's links need the CPU they model: no other test beside them
 PROBE = ["launch/wan/probe.py"]
 
 
