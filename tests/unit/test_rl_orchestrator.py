@@ -195,8 +195,15 @@ def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(pol
     in_flight = orchestrator.lease("w1", held=0)  # leased when the orchestrator dies: skipped
     state = saved[-1]
 
-    again, versions2, _ = _orchestrator(policy, async_level=2)
+    again, versions2, records = _orchestrator(policy, async_level=2)
     assert again.restore(state) == 2  # the rogue's returned prompts (w1's lease in flight took the same two)
+    # Stopped between saving batch 1 and writing its record: the restart writes it; once, never twice.
+    again.record_unrecorded_batch({0, 1})
+    assert records == []
+    again.record_unrecorded_batch({0})
+    assert [(r["event"], r["step"], r["prompt_numbers"]) for r in records] == [
+        ("batch", 1, orchestrator.batches[1]["stats"]["prompt_numbers"])]
+    records.clear()
     assert again.start == 1 and again.next_step == 2 and again.batch(1) == json.loads(json.dumps(orchestrator.batches[1]))
     assert again.counters.rollouts_accepted == orchestrator.counters.rollouts_accepted
     with pytest.raises(Refused, match="evicted"):

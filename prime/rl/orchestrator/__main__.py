@@ -93,14 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     token = read_token_argument(args.token, args.token_file)
     facts = read_token(token)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    history = RunHistory()
+    history, recorded_batches = RunHistory(), set()
     if (args.run_dir / "metrics.jsonl").exists():  # a restart: the dashboard shows the whole run
         for line in (args.run_dir / "metrics.jsonl").read_text().splitlines():
             try:
-                history.add(json.loads(line))
+                event = json.loads(line)
             except json.JSONDecodeError:
-                pass  # a line cut short by the stop
+                continue  # a line cut short by the stop
+            history.add(event)
+            if event.get("event") == "batch":
+                recorded_batches.add(event["step"])
     metrics = (args.run_dir / "metrics.jsonl").open("a")
+    if metrics.tell() and not (args.run_dir / "metrics.jsonl").read_bytes().endswith(b"\n"):
+        metrics.write("\n")  # the stop cut the last line short: the next record starts a line of its own
     metrics_lock = threading.Lock()
 
     def record(event: dict) -> None:
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("restarted (start %d of this run) at trainer step %d; %d prompts that were in flight at the stop "
                  "are skipped, none is used twice; %d workers stay evicted", orchestrator.start,
                  orchestrator.next_step, skipped, len(orchestrator.counters.evicted))
+        orchestrator.record_unrecorded_batch(recorded_batches)
     evaluations = Evaluations(orchestrator, versions, env, record)
     wake = versions.on_new  # the orchestrator's own hook: wakes leases and batches waiting for a version
 

@@ -127,6 +127,7 @@ class Orchestrator:
         self.next_step = 0
         self.done = False
         self.final_version = -1  # the trainer's last version, once it finished
+        self.last_batch_event: dict | None = None
         self.counters = Counters()
         self.used_numbers: set[int] = set()  # prompt instances already in a batch
         self.lock = threading.RLock()
@@ -395,14 +396,24 @@ class Orchestrator:
         for old in [s for s in self.batches if s < step - 1]:
             del self.batches[old]
         self.next_step = step + 1
-        self.persist(self.state())  # before the trainer can see the batch: a restart serves it again
-        self.changed.notify_all()
         workers: dict[str, int] = {}
         for g in taken:
             workers[g.worker] = workers.get(g.worker, 0) + len(g.completions)
-        self.record({"event": "batch", "step": step, "time_s": self.elapsed(), **stats, "workers": workers,
-                     **self.totals()})
+        # Saved with the batch: a stop between the two writes leaves a batch the run uses whose record
+        # a restart writes (record_unrecorded_batch), never a record of a batch it does not use.
+        self.last_batch_event = {"event": "batch", "step": step, "time_s": self.elapsed(), **stats,
+                                 "workers": workers, **self.totals()}
+        self.persist(self.state())  # before the trainer can see the batch: a restart serves it again
+        self.changed.notify_all()
+        self.record(self.last_batch_event)
         return batch
+
+    def record_unrecorded_batch(self, recorded_steps: set[int]) -> None:
+        """After a restart: records the newest batch's event if the stop came before it was written."""
+        event = self.last_batch_event
+        if event is not None and event["step"] not in recorded_steps:
+            log.info("batch %d's record was not written before the stop; written now", event["step"])
+            self.record(event)
 
     def _keep(self, rewards: torch.Tensor, varied: torch.Tensor) -> torch.Tensor:
         f = self.config.filter
@@ -430,7 +441,7 @@ class Orchestrator:
         return {"start": self.start, "next_step": self.next_step, "batches": self.batches, "drawn": self._drawn,
                 "batched": self._batched, "next_number": next(self._numbers), "elapsed_s": self.elapsed(),
                 "done": self.done,
-                "final_version": self.final_version,
+                "final_version": self.final_version, "last_batch_event": self.last_batch_event,
                 "counters": {**self.totals(), "evicted": dict(c.evicted),
                              "workers": {w: asdict(s) for w, s in c.workers.items()}}}
 
@@ -448,6 +459,7 @@ class Orchestrator:
             self._seeds = random.Random(f"{self.config.seed}-seeds-{self.start}")  # no seed handed out twice
             self.started = time.monotonic() - float(state["elapsed_s"])
             self.done, self.final_version = bool(state["done"]), int(state["final_version"])
+            self.last_batch_event = state.get("last_batch_event")
             saved = state["counters"]
             self.counters = Counters(**{k: saved[k] for k in self.totals()}, evicted=dict(saved["evicted"]),
                                      workers={w: WorkerStats(**s) for w, s in saved["workers"].items()})
