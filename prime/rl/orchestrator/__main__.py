@@ -94,17 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     facts = read_token(token)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     history, recorded_batches = RunHistory(), set()
-    if (args.run_dir / "metrics.jsonl").exists():  # a restart: the dashboard shows the whole run
-        for line in (args.run_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by the stop
-            history.add(event)
-            if event.get("event") == "batch":
-                recorded_batches.add(event["step"])
-    metrics = (args.run_dir / "metrics.jsonl").open("a")
-    if metrics.tell() and not (args.run_dir / "metrics.jsonl").read_bytes().endswith(b"\n"):
+    metrics_path = args.run_dir / "metrics.jsonl"
+    earlier = metrics_path.read_text() if metrics_path.exists() else ""  # a restart: the dashboard shows the whole run
+    for line in earlier.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the stop
+        history.add(event)
+        if event.get("event") == "batch":
+            recorded_batches.add(event["step"])
+    metrics = metrics_path.open("a")
+    if earlier and not earlier.endswith("\n"):
         metrics.write("\n")  # the stop cut the last line short: the next record starts a line of its own
     metrics_lock = threading.Lock()
 
