@@ -4,24 +4,29 @@ policy version takes about as long as a training step. Same seed, same wall-cloc
 Every role is its own process in its own network namespace (launch/wan/harness.py: netem where the
 kernel has it, else the user-space TUN emulator; the output says which), every host behind the same
 access link (--latency-ms one way, --mbit up and down). Each level starts afresh from the same fresh
-policy (seed --seed, thresholds measured once) and runs until the held-out reward reaches 0.95 or
---budget-s passes. Reported per level: time to held-out reward 0.9, trainer idle fraction, worker idle
+policy (thresholds measured once per seed) and runs until the held-out reward reaches 0.95 or
+--budget-s passes. With several --seeds (each the policy's initialisation, the task stream and the
+sampling seeds, the same for every level) every level runs once per seed and the last line reports each
+level's median over the seeds: one run's versions to 0.9 spreads ±30% with the seed (async 0 is
+deterministic given its seed: seed 0 needs 165 versions, seeds 1-4 of the same loop in one process 165-230). Reported per level: time to held-out reward 0.9, trainer idle fraction, worker idle
 fraction, how busy the machine's CPUs were, mean and max staleness of the batches, final held-out reward,
 the trainer's mean step time, the workers' mean time to fetch a version and when a version was announced,
 fetched and usable at them. A PNG of reward against time. Last line:
 
     rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
 
-    sudo python launch/bench/rl_async.py [--levels 0,1,2,4] [--budget-s 300] [--latency-ms 10] [--mbit 50]
+    sudo python launch/bench/rl_async.py [--levels 0,1,2,4] [--seeds 0] [--budget-s 300] [--latency-ms 10] [--mbit 50]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -83,7 +88,8 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             "cpu_s_per_version": {name: round(seconds / max(len(trainer), 1), 3) for name, seconds in role_cpu.items()},
             "trainer_time": {k: round(_mean(r.get(k) for r in trainer), 4) for k in ("update_s", "save_s", "publish_s")},
             "batch_path": {k: round(_mean(b.get(k) for b in batches), 3) for k in BATCH_PATH},
-            "evals": [(e["time_s"], e["eval_reward"]) for e in evals]}
+            "evals": [(e["time_s"], e["eval_reward"]) for e in evals],
+            "eval_versions": [(e["version"], e["eval_reward"]) for e in evals]}
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 10: 40 ms round trip between two hosts)")
     parser.add_argument("--mbit", type=float, default=50, help="rate of every access link, each direction (default "
                         "50: a 1.2 MB version in ~0.2 s plus round trips, about one training step here)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, one run per level each (default 0); "
+                        "with several, the last line gives each level's median over them")
     parser.add_argument("--publish-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the precision policy versions travel in (the trainer's publish_dtype; default "
                         "float32, as the trainer's)")
@@ -161,45 +168,95 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers, not {args.seeds!r}")
     root = args.out or Path(tempfile.mkdtemp(prefix="rl-async-"))
     root.mkdir(parents=True, exist_ok=True)
-    policy = new_policy(root / "policy", seed=args.seed)
     link = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.mbit, down_mbit=args.mbit)
     results = []
-    for level in levels:
-        shutil.rmtree(root / f"async{level}", ignore_errors=True)
-        result = run_level(level, policy, root / f"async{level}", link, args.budget_s, args.seed, args.publish_dtype,
-                           args.prompts_per_lease, args.trusted_together, args.in_flight, args.trainer_set)
-        results.append(result)
-        print(f"async{level} ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
-              + ("trainer and orchestrator on one host, " if args.trusted_together else "") +
-              f"versions in {args.publish_dtype}): "
-              f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
-              f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
-              f"{_pct(result['worker_idle'])}, CPUs busy {_pct(result['cpu_busy'])}, staleness mean "
-              f"{result['staleness_mean']:.2f} max "
-              f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
-              f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
-        print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
-              f"both workers {_s(result['to_workers_s'], 2)} (median; at a worker: announced "
-              f"{_s(result['announced_at_workers_s'], 2)}, fetched {_s(result['fetched_at_workers_s'], 2)}, usable "
-              f"{_s(result['usable_at_workers_s'], 2)}); trainer per step: "
-              + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
-              + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
-                                               for k, v in result["worker_time"].items()), flush=True)
-        print("  CPU seconds per version: " + ", ".join(f"{name} {v:.3f}" for name, v in
-                                                         result["cpu_s_per_version"].items()), flush=True)
-        print("  a batch's groups (mean over batches): " + ", ".join(
-            f"{k.removesuffix('_s').replace('_', ' ')} {_s(v, 3)} s" for k, v in result["batch_path"].items()), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    for seed in seeds:
+        policy = new_policy(root / f"seed{seed}" / "policy", seed=seed)
+        for level in levels:
+            out = root / f"seed{seed}" / f"async{level}"
+            shutil.rmtree(out, ignore_errors=True)
+            result = {"seed": seed, **run_level(level, policy, out, link, args.budget_s, seed, args.publish_dtype,
+                                                args.prompts_per_lease, args.trusted_together, args.in_flight,
+                                                args.trainer_set)}
+            results.append(result)
+            _report(result, args, len(seeds) > 1)
+            if args.json:  # after every run: a long sweep stopped early keeps what it measured
+                args.json.write_text(json.dumps(results, indent=1))
     _plot(results, root / "rl_async.png")
-    by = {r["level"]: r for r in results}
-    times = ", ".join(f"async{lv} {_s(by[lv]['time_to_0.9_s'])}" for lv in levels)
-    idle = ", ".join(f"async{lv} {_pct(by[lv]['trainer_idle'])}" for lv in (0, 2) if lv in by)
     print(f"plot {root / 'rl_async.png'}")
+    medians = {level: _medians([r for r in results if r["level"] == level]) for level in levels}
+    if len(seeds) > 1:
+        _summarise(results, medians, levels, seeds)
+    times = ", ".join(f"async{lv} {_s(medians[lv]['time_to_0.9_s'])}" for lv in levels)
+    idle = ", ".join(f"async{lv} {_pct(medians[lv]['trainer_idle'])}" for lv in (0, 2) if lv in medians)
     print(f"rl_async: time to reward 0.9 — {times}; trainer idle {idle}")
     return 0
+
+
+def _report(result: dict, args: argparse.Namespace, several_seeds: bool) -> None:
+    level = result["level"]
+    print(f"async{level}" + (f" seed {result['seed']}" if several_seeds else "")
+          + f" ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
+          + ("trainer and orchestrator on one host, " if args.trusted_together else "") +
+          f"versions in {args.publish_dtype}): "
+          f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
+          f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
+          f"{_pct(result['worker_idle'])}, CPUs busy {_pct(result['cpu_busy'])}, staleness mean "
+          f"{result['staleness_mean']:.2f} max "
+          f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
+          f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
+    print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
+          f"both workers {_s(result['to_workers_s'], 2)} (median; at a worker: announced "
+          f"{_s(result['announced_at_workers_s'], 2)}, fetched {_s(result['fetched_at_workers_s'], 2)}, usable "
+          f"{_s(result['usable_at_workers_s'], 2)}); trainer per step: "
+          + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in result["trainer_time"].items())
+          + "; workers' time: " + ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%"
+                                           for k, v in result["worker_time"].items()), flush=True)
+    print("  CPU seconds per version: " + ", ".join(f"{name} {v:.3f}" for name, v in
+                                                     result["cpu_s_per_version"].items()), flush=True)
+    print("  a batch's groups (mean over batches): " + ", ".join(
+        f"{k.removesuffix('_s').replace('_', ' ')} {_s(v, 3)} s" for k, v in result["batch_path"].items()), flush=True)
+
+
+def _medians(runs: list[dict]) -> dict:
+    """A level's median time to 0.9 and trainer idle over its seeds. A run that did not reach 0.9 counts
+    as slower than any that did: a median that falls on such runs is None (not reached)."""
+    times = statistics.median(math.inf if r["time_to_0.9_s"] is None else r["time_to_0.9_s"] for r in runs)
+    idles = [r["trainer_idle"] for r in runs if r["trainer_idle"] is not None]
+    return {"time_to_0.9_s": None if math.isinf(times) else times,
+            "trainer_idle": statistics.median(idles) if idles else None}
+
+
+def _summarise(results: list[dict], medians: dict, levels: list[int], seeds: list[int]) -> None:
+    """Per level, every seed's time to 0.9, versions and trainer idle, their medians, and each level's time
+    as a fraction of async 0's on the same seed."""
+    run = {(r["level"], r["seed"]): r for r in results}
+    print(f"\n| async level | time to 0.9, seeds {', '.join(map(str, seeds))} | median | versions to 0.9 | "
+          f"trainer idle | median idle | × async 0, per seed |")
+    print("|---|---|---|---|---|---|---|")
+    for level in levels:
+        rows = [run[(level, s)] for s in seeds]
+        ratios = []
+        for r in rows:
+            base = run.get((0, r["seed"]))
+            both = base is not None and None not in (r["time_to_0.9_s"], base["time_to_0.9_s"])
+            ratios.append(f"{r['time_to_0.9_s'] / base['time_to_0.9_s']:.2f}" if both else "n/a")
+        print(f"| {level} | {', '.join(_s(r['time_to_0.9_s']) for r in rows)} | "
+              f"{_s(medians[level]['time_to_0.9_s'])} | {', '.join(str(_versions_to(r)) for r in rows)} | "
+              f"{', '.join(_pct(r['trainer_idle']) for r in rows)} | {_pct(medians[level]['trainer_idle'])} | "
+              f"{', '.join(ratios)} |")
+    print(f"(medians over seeds {', '.join(map(str, seeds))})")
+
+
+def _versions_to(result: dict) -> int | str:
+    """The policy version whose held-out eval first reached 0.9 ("n/a" if none did)."""
+    return next((v for v, reward in result.get("eval_versions", []) if reward >= 0.9), "n/a")
 
 
 def _s(value, digits: int = 0) -> str:
@@ -217,9 +274,14 @@ def _plot(results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(6, 4))
+    seeds = sorted({r["seed"] for r in results})
+    colours = {level: f"C{i}" for i, level in enumerate(sorted({r["level"] for r in results}))}
+    styles = ["-", "--", ":", "-."]
     for r in results:
         if r["evals"]:
-            axis.plot(*zip(*r["evals"]), marker=".", label=f"async {r['level']}")
+            label = f"async {r['level']}" + (f", seed {r['seed']}" if len(seeds) > 1 else "")
+            axis.plot(*zip(*r["evals"]), marker=".", color=colours[r["level"]],
+                      linestyle=styles[seeds.index(r["seed"]) % len(styles)], label=label)
     axis.set_xlabel("seconds since the orchestrator started")
     axis.set_ylabel("held-out reward (greedy)")
     axis.grid(alpha=0.3)
