@@ -8,10 +8,11 @@ policy (thresholds measured once per seed) and runs until the held-out reward re
 --budget-s passes. With several --seeds (each the policy's initialisation, the task stream and the
 sampling seeds, the same for every level) every level runs once per seed and the last line reports each
 level's median over the seeds: one run's versions to 0.9 spreads ±30% with the seed (async 0 is
-deterministic given its seed: seed 0 needs 165 versions, seeds 1-4 of the same loop in one process 165-230). Reported per level: time to held-out reward 0.9, trainer idle fraction, worker idle
-fraction, how busy the machine's CPUs were, mean and max staleness of the batches, final held-out reward,
-the trainer's mean step time, the workers' mean time to fetch a version and when a version was announced,
-fetched and usable at them. A PNG of reward against time. Last line:
+deterministic given its seed: seed 0 needs 165 versions, seed 1 230). Reported per level: time to
+held-out reward 0.9, trainer idle fraction, worker idle fraction, how busy the machine's CPUs were,
+mean and max staleness of the batches, final held-out reward, the trainer's mean step time, the
+workers' mean time to fetch a version and when a version was announced, fetched and usable at them.
+A PNG of reward against time. Last line:
 
     rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
 
