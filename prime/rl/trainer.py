@@ -3,10 +3,12 @@ and publishes each new version through the broadcast.
 
     python -m prime.rl.trainer --token-file trainer.token --policy DIR --orchestrator HOST:PORT --run-dir D
 
-Version v is the policy after v steps (v0: the policy it started from). After step s the trainer writes
-a checkpoint (model and optimizer, DCP) before publishing version s + 1, so a trainer killed at any
-point and restarted with the same arguments resumes from its last checkpoint: it asks the orchestrator
-for the same batch again (the orchestrator keeps it) and republishes a version the coordinator lacks.
+Version v is the policy after v steps (v0: the policy it started from). The trainer publishes each
+version as soon as it is trained and writes a checkpoint (model and optimizer, DCP, in the background)
+every `checkpoint_every` steps, so a trainer killed at any point and restarted with the same arguments
+resumes from its last checkpoint: it asks the orchestrator for the same batches again (the orchestrator
+keeps the last checkpoint_every + 1, as the trainer tells it), trains them again, and republishes a
+version the coordinator lacks.
 
 Under `torchrun --nproc-per-node N` the policy is sharded with FSDP2 over the N local ranks and each
 batch split between them (prime.rl.update.sharded_update: the same step as one process); local rank 0
@@ -69,6 +71,10 @@ class RLTrainerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(entropy_coef=ENTROPY_BONUS),
                              description="Clipping (epsilon, delta), the KL weight, the entropy bonus.")
+    checkpoint_every: int = Field(5, ge=1, le=63, description="Steps between checkpoints (and after the last). A "
+                                  "restarted trainer trains again at most this many steps minus one, on the same "
+                                  "batches (the orchestrator keeps them). Every step cost the async-2 trainer 0.1 s of "
+                                  "its 0.5 s step on 2 cores (docs/benchmarks.md, RL).")
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints.")
     publish_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="The precision each policy version travels in. float32: versions bit-identical to "
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
-    batches = BatchPrefetcher(orchestrator) if rank == 0 else None
+    batches = BatchPrefetcher(orchestrator, keep=config.checkpoint_every + 1) if rank == 0 else None
+    saved = step
     try:
         while step < config.max_steps:
             waited = time.monotonic()
@@ -142,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             idle_s += time.monotonic() - waited
             if batch is None:
                 log.info("the orchestrator ended the run at step %d", step)
+                if saved != step:  # the policy the run ended with, for export
+                    store.save(step, model, optimizer, {"step": step}, {})
+                    saved = step
                 break
             began = time.monotonic()
             rows = [Row(r["prompt"], r["tokens"], r["logprobs"], float(r["advantage"])) for r in batch["rows"]]
@@ -150,14 +160,17 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             step += 1
             trained = time.monotonic()
-            # Published before the checkpoint is taken: every worker waits for the new version, nobody for
-            # the checkpoint. A trainer killed in between resumes from the step before, trains this step
-            # again on the same batch (the orchestrator keeps it) and finds this version already published.
+            # Published before any checkpoint is taken: every worker waits for the new version, nobody for
+            # the checkpoint. A trainer killed before its next checkpoint resumes from the last one, trains
+            # the steps since again on the same batches (the orchestrator keeps them) and finds their
+            # versions already published.
             published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, publish_dtype,
                                             published)
             published_at = time.time()
             publishing_done = time.monotonic()
-            store.save(step, model, optimizer, {"step": step}, {})
+            if step % config.checkpoint_every == 0 or step == config.max_steps:
+                store.save(step, model, optimizer, {"step": step}, {})
+                saved = step
             if rank != 0:
                 continue
             elapsed = time.monotonic() - started
@@ -191,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 class BatchPrefetcher:
     """Asks the orchestrator for the next step's batch while this one trains: the request and the batch's
     way back (a round trip and the rows over the WAN, 0.11 s a step measured beyond the orchestrator's own
-    wait) then overlap training instead of following it. The orchestrator keeps the last two batches, so a
-    trainer restarted from its checkpoint still finds the one it asks for."""
+    wait) then overlap training instead of following it. Each request tells the orchestrator to keep the
+    last `keep` batches (the checkpoint interval + 1), so a trainer restarted from its last checkpoint
+    still finds every batch it asks for."""
 
-    def __init__(self, orchestrator: CoordinatorClient) -> None:
-        self.orchestrator = orchestrator
+    def __init__(self, orchestrator: CoordinatorClient, keep: int) -> None:
+        self.orchestrator, self.keep = orchestrator, keep
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-batch")
         self._ahead: tuple[int, Future] | None = None
 
@@ -204,20 +218,20 @@ class BatchPrefetcher:
         if self._ahead is not None and self._ahead[0] == step:
             pending = self._ahead[1]
         else:
-            pending = self._pool.submit(_next_batch, self.orchestrator, step)
+            pending = self._pool.submit(_next_batch, self.orchestrator, step, self.keep)
         self._ahead = None
         batch = pending.result()
         if batch is not None and prefetch:
-            self._ahead = (step + 1, self._pool.submit(_next_batch, self.orchestrator, step + 1))
+            self._ahead = (step + 1, self._pool.submit(_next_batch, self.orchestrator, step + 1, self.keep))
         return batch
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _next_batch(orchestrator: CoordinatorClient, step: int) -> dict | None:
+def _next_batch(orchestrator: CoordinatorClient, step: int, keep: int) -> dict | None:
     while True:
-        answer = orchestrator.post("/v1/rl/batch", {"step": step})
+        answer = orchestrator.post("/v1/rl/batch", {"step": step, "keep": keep})
         if answer.get("status") == "ok":
             return answer
         if answer.get("status") == "done":

@@ -6,6 +6,7 @@ mid-run, the orchestrator and the trainer (2 ranks, FSDP2) each SIGKILLed and re
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -73,7 +74,9 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
     assert rogue in summary["evicted"] and "sampling" in summary["evicted"][rogue]
     assert summary["rollouts_rejected"] >= 16 and summary["workers_evicted"] == 1
     assert summary["leases_expired"] >= 1  # worker-a's
-    assert "resumed from" in cluster.log("trainer")
+    # From its last checkpoint (every 5 steps by default), training again on the batches the orchestrator kept.
+    resumed = re.search(r"resumed from \S+: step (\d+)", cluster.log("trainer"))
+    assert resumed and int(resumed.group(1)) % 5 == 0, cluster.log("trainer")[-2000:]
     loaded = [line for line in cluster.log("worker-b").splitlines() if "policy version" in line and "loaded" in line]
     assert loaded and int(loaded[0].split("policy version ")[1].split()[0]) >= killed_at - 1 >= 2, loaded[:2]
     trainer = [json.loads(line) for line in (cluster.run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()]

@@ -222,6 +222,30 @@ def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(pol
     assert texts and not before & set(texts)  # the task stream went on past what the first start drew
 
 
+def test_the_batches_a_trainer_may_ask_again_are_kept_and_survive_a_restart(policy):
+    """A trainer that checkpoints every 3 steps asks for 4 batches kept: after a restart it asks again for
+    any of the last 4 it was given, from a restarted orchestrator too; older ones are gone (409)."""
+    import json
+
+    saved: list[dict] = []
+    orchestrator, versions, _ = _orchestrator(policy, async_level=8)
+    orchestrator.persist = lambda state: saved.append(json.loads(json.dumps(state)))
+    with pytest.raises(Refused, match="between 2 and"):
+        orchestrator.batch(0, keep=1)
+    while orchestrator.next_step < 6:
+        lease = orchestrator.lease("w1", held=0)
+        assert orchestrator.submit("w1", _work(orchestrator, versions, lease))["status"] == "accepted"
+        if len(orchestrator.ready) >= 4:
+            orchestrator.batch(orchestrator.next_step, keep=4)
+    assert sorted(orchestrator.batches) == [2, 3, 4, 5]
+    with pytest.raises(Refused, match="only the last 4"):
+        orchestrator.batch(1, keep=4)
+    again, _, _ = _orchestrator(policy, async_level=8)
+    again.restore(saved[-1])
+    assert again.batch(2, keep=2) == json.loads(json.dumps(orchestrator.batches[2]))  # kept as the trainer said
+    assert again.batches_kept == 4
+
+
 def test_a_worker_gets_work_on_a_version_announced_before_the_orchestrator_has_loaded_it(policy):
     orchestrator, versions, _ = _orchestrator(policy, async_level=0)
     versions.announced = 1  # the coordinator announced version 1; this side is still downloading it

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def batch(token: JoinToken, body: dict) -> dict:
         trusted(token)
-        return orchestrator.batch(int(body["step"]))
+        return orchestrator.batch(int(body["step"]), int(body.get("keep", 2)))
 
     def lease(token: JoinToken, body: dict) -> dict:
         if token.role != "worker":

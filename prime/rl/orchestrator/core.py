@@ -15,11 +15,11 @@
 - **Rewards and advantages** are computed here with the task's own verifier; a worker's word about its
   rollout's quality is never asked for.
 - **Restarts.** `state()` is what a restarted orchestrator needs, handed to `persist` whenever a batch is
-  built, a worker is evicted or the run ends: the next step and the last two batches (a restarted
-  trainer asks again), how far the task stream was read, the counters (evictions stay in force) and
-  which start this is. `restore()` takes it back. Prompts leased or scored but not yet in a batch at the
-  stop are skipped, never used twice; lease ids carry the start, so a lease from before can never
-  match one from after.
+  built, a worker is evicted or the run ends: the next step and the newest batches, as many as the
+  trainer said it may ask again after a restart (it checkpoints every few steps), how far the task
+  stream was read, the counters (evictions stay in force) and which start this is. `restore()` takes it
+  back. Prompts leased or scored but not yet in a batch at the stop are skipped, never used twice;
+  lease ids carry the start, so a lease from before can never match one from after.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ from prime.rl.service import Refused
 from prime.verify.verifier import Claim
 
 log = logging.getLogger(__name__)
+
+# The most batches a trainer may ask to be kept for its restart (each is a step's rows, saved in state.json
+# at every batch built).
+MAX_BATCHES_KEPT = 64
 
 
 @dataclass
@@ -124,6 +128,9 @@ class Orchestrator:
         self.checking: dict[str, Lease] = {}  # submitted, being verified: still counted as on their way
         self.ready: list[Group] = []
         self.batches: dict[int, dict] = {}
+        # How many of the newest batches are kept: a trainer that checkpoints every n steps may come back
+        # from a restart up to n steps behind the newest batch it asked for, so it asks for n + 1 (batch()).
+        self.batches_kept = 2
         self.next_step = 0
         self.done = False
         self.final_version = -1  # the trainer's last version, once it finished
@@ -339,11 +346,16 @@ class Orchestrator:
         raise Refused(403, f"evicted: {why}")
 
     # ---- batches -------------------------------------------------------------------------------------
-    def batch(self, step: int) -> dict:
+    def batch(self, step: int, keep: int = 2) -> dict:
         """The batch of trainer step `step` (long-poll). A step already built is answered again, so a
-        trainer restarted from its checkpoint trains on exactly what it would have."""
+        trainer restarted from its checkpoint trains on exactly what it would have. keep: how many of the
+        newest batches the trainer may ask again after a restart (its checkpoint interval + 1); never
+        fewer than the trainer asked for before (a restarted one may say less)."""
+        if not 2 <= keep <= MAX_BATCHES_KEPT:
+            raise Refused(400, f"keep must be between 2 and {MAX_BATCHES_KEPT} batches, not {keep}")
         give_up = time.monotonic() + self.config.poll_s
         with self.changed:
+            self.batches_kept = max(self.batches_kept, keep)
             if self._asked[0] != step:
                 self._asked = (step, time.monotonic())
             while True:
@@ -353,7 +365,8 @@ class Orchestrator:
                     return {"status": "done"}
                 if step != self.next_step:
                     raise Refused(409, f"batch {step} asked for; the next batch is {self.next_step} (only the last "
-                                       f"{len(self.batches)} built are kept)")
+                                       f"{len(self.batches)} built are kept: did the trainer resume from a "
+                                       f"checkpoint older than its checkpoint_every?)")
                 self._drop_stale(step)
                 if len(self.ready) >= self.config.prompts_per_step:
                     return self._build(step, self._asked[1])
@@ -393,7 +406,7 @@ class Orchestrator:
                  "prompt_numbers": [g.prompt.number for g in taken], **_timing(taken, asked_at)}
         batch = {"status": "ok", "step": step, "temperature": self.config.temperature, "rows": rows, "stats": stats}
         self.batches[step] = batch
-        for old in [s for s in self.batches if s < step - 1]:
+        for old in [s for s in self.batches if s <= step - self.batches_kept]:
             del self.batches[old]
         self.next_step = step + 1
         workers: dict[str, int] = {}
@@ -438,7 +451,8 @@ class Orchestrator:
     def state(self) -> dict:
         """What a restarted orchestrator needs (JSON); call with the lock held."""
         c = self.counters
-        return {"start": self.start, "next_step": self.next_step, "batches": self.batches, "drawn": self._drawn,
+        return {"start": self.start, "next_step": self.next_step, "batches": self.batches,
+                "batches_kept": self.batches_kept, "drawn": self._drawn,
                 "batched": self._batched, "next_number": next(self._numbers), "elapsed_s": self.elapsed(),
                 "done": self.done,
                 "final_version": self.final_version, "last_batch_event": self.last_batch_event,
@@ -451,6 +465,7 @@ class Orchestrator:
             self.start = int(state["start"]) + 1
             self.next_step = int(state["next_step"])
             self.batches = {int(step): batch for step, batch in state["batches"].items()}
+            self.batches_kept = int(state.get("batches_kept", 2))
             self.used_numbers = {n for b in self.batches.values() for n in b["stats"]["prompt_numbers"]}
             self._drawn, self._batched = int(state["drawn"]), int(state["batched"])
             for _ in range(self._drawn):  # the stream is deterministic: read past what the last start drew
