@@ -43,16 +43,22 @@ def calibrate(policy: Path, args: list[str] | None = None) -> Path:
 class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
                  trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1,
-                 placement: dict[str, str] | None = None, worker_args: list[str] | None = None) -> None:
+                 placement: dict[str, str] | None = None, worker_args: list[str] | None = None,
+                 niceness: dict[str, int] | None = None) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
         orchestrator, trainer, worker names): each process runs in its host's namespace. placement: role ->
         the WAN host it runs on where that is not the host of its own name (roles sharing a host share its
         access link). trainer_ranks: local ranks of the trainer (more than 1: torchrun, FSDP2). worker_args:
-        command-line options of every worker."""
+        command-line options of every worker. niceness: role -> its CPU niceness (nice(1), 0 to 19): on one
+        machine every role shares its cores, where a deployment gives each role a machine of its own."""
+        for role, value in (niceness or {}).items():
+            if not 0 <= value <= 19:
+                raise ValueError(f"niceness of {role} must be between 0 and 19, not {value}")
         self.run_dir, self.policy, self.wan, self.trainer_ranks = Path(run_dir), Path(policy), wan, trainer_ranks
         self.placement = dict(placement or {})
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
         self.worker_args = list(worker_args or [])
+        self.niceness = dict(niceness or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
         self.orchestrator_address = ""
@@ -68,6 +74,8 @@ class RLCluster:
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "a", encoding="utf-8")
         prefix = self.wan.exec_prefix(self.placement.get(name, name)) if self.wan else []
+        if self.niceness.get(name):
+            prefix += ["nice", "-n", str(self.niceness[name])]
         proc = subprocess.Popen(prefix + cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
                                 start_new_session=True)
         log.close()

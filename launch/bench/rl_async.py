@@ -43,7 +43,7 @@ BATCH_PATH = ("leased_to_arrived_s", "arrived_to_verified_s", "verified_to_batch
 
 def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: float, seed: int,
               publish_dtype: str, prompts_per_lease: int, trusted_together: bool = False, in_flight: int = 2,
-              trainer_sets: list[str] | None = None) -> dict:
+              trainer_sets: list[str] | None = None, niceness: dict[str, int] | None = None) -> dict:
     # trusted_together: the trainer and the orchestrator on one host (one datacenter behind one access link);
     # otherwise each behind its own, as every other role.
     placement = {"trainer": "trusted", "orchestrator": "trusted"} if trusted_together else {}
@@ -52,7 +52,8 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
         cluster = RLCluster(out, policy, wan=wan, placement=placement, orchestrator_sets=[
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
             f"prompts_per_lease={prompts_per_lease}"],
-            trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}", *(trainer_sets or [])], worker_args=[f"--in-flight={in_flight}"])
+            trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}", *(trainer_sets or [])],
+            worker_args=[f"--in-flight={in_flight}"], niceness=niceness)
         with cluster:
             cluster.start(WORKERS)
             started, cpu_before = time.monotonic(), _cpu_times()
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                         "trusted: one datacenter); default: each behind its own, like every other role")
     parser.add_argument("--trainer-set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a trainer config field at every level (e.g. grpo.decoupled=false)")
+    parser.add_argument("--nice", action="append", default=[], metavar="ROLE=N",
+                        help="run a role (coordinator, orchestrator, trainer, worker-a, worker-b) at CPU niceness N "
+                        "(0-19), at every level: every role shares this machine's cores, where a deployment gives "
+                        "each its own machine (default: all at 0)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -173,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds takes comma-separated integers, not {args.seeds!r}")
+    roles = {"coordinator", "orchestrator", "trainer", *WORKERS}
+    niceness = {}
+    for setting in args.nice:
+        role, _, value = setting.partition("=")
+        if role not in roles or not value.isdigit() or not 0 <= int(value) <= 19:
+            parser.error(f"--nice takes ROLE=N with ROLE one of {', '.join(sorted(roles))} and N 0-19, not {setting!r}")
+        niceness[role] = int(value)
     root = args.out or Path(tempfile.mkdtemp(prefix="rl-async-"))
     root.mkdir(parents=True, exist_ok=True)
     link = LinkProfile(latency_ms=args.latency_ms, up_mbit=args.mbit, down_mbit=args.mbit)
@@ -184,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             result = {"seed": seed, **run_level(level, policy, out, link, args.budget_s, seed, args.publish_dtype,
                                                 args.prompts_per_lease, args.trusted_together, args.in_flight,
-                                                args.trainer_set)}
+                                                args.trainer_set, niceness)}
             results.append(result)
-            _report(result, args, len(seeds) > 1)
+            _report(result, args, len(seeds) > 1, niceness)
             if args.json:  # after every run: a long sweep stopped early keeps what it measured
                 args.json.write_text(json.dumps(results, indent=1))
     _plot(results, root / "rl_async.png")
@@ -200,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(result: dict, args: argparse.Namespace, several_seeds: bool) -> None:
+def _report(result: dict, args: argparse.Namespace, several_seeds: bool, niceness: dict[str, int]) -> None:
     level = result["level"]
     print(f"async{level}" + (f" seed {result['seed']}" if several_seeds else "")
           + f" ({result['backend']}, {args.latency_ms:g} ms one way, {args.mbit:g} Mbit/s, "
-          + ("trainer and orchestrator on one host, " if args.trusted_together else "") +
+          + ("trainer and orchestrator on one host, " if args.trusted_together else "")
+          + "".join(f"{role} at nice {n}, " for role, n in sorted(niceness.items())) +
           f"versions in {args.publish_dtype}): "
           f"reward 0.9 at {_s(result['time_to_0.9_s'])}, final {result['final_reward']}, "
           f"{result['versions']} versions, trainer idle {_pct(result['trainer_idle'])}, worker idle "
