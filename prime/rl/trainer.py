@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     publish_dtype = getattr(torch, config.publish_dtype)
     published = _publish_if_missing(member, step, model, args.policy, meta, rank, world, publish_dtype)
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        dropped = _drop_records_after(args.run_dir / "metrics.jsonl", step)
+        if dropped:
+            log.info("%d step records after step %d left metrics.jsonl: those steps are trained again", dropped, step)
     metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     started, idle_s, pad_id = time.monotonic(), 0.0, int(model.config.pad_token_id or 0)
     batches = BatchPrefetcher(orchestrator, keep=config.checkpoint_every + 1) if rank == 0 else None
@@ -236,6 +240,29 @@ def _next_batch(orchestrator: CoordinatorClient, step: int, keep: int) -> dict |
             return answer
         if answer.get("status") == "done":
             return None
+
+
+def _drop_records_after(path: Path, step: int) -> int:
+    """A trainer resumed from the checkpoint of `step` trains the steps after it again: their records, and
+    a last line that the stop cut short, leave the log, so it holds each step once. Returns how many left."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if int(record.get("step", 0)) <= step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        staging = path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(kept))
+        staging.replace(path)
+    return dropped
 
 
 def _publish_if_missing(member: BroadcastMember | None, version: int, model, base: Path, meta: dict, rank: int,
