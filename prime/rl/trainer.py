@@ -73,8 +73,8 @@ class RLTrainerConfig(BaseModel):
                              description="Clipping (epsilon, delta), the KL weight, the entropy bonus.")
     checkpoint_every: int = Field(5, ge=1, le=63, description="Steps between checkpoints (and after the last). A "
                                   "restarted trainer trains again at most this many steps minus one, on the same "
-                                  "batches (the orchestrator keeps them). Every step cost the async-2 trainer 0.1 s of "
-                                  "its 0.5 s step on 2 cores (docs/benchmarks.md, RL).")
+                                  "batches (the orchestrator keeps them). A checkpoint at every step cost the async-2 "
+                                  "trainer 0.1 s of its 0.5 s step on 2 cores (docs/benchmarks.md, RL).")
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints.")
     publish_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="The precision each policy version travels in. float32: versions bit-identical to "
