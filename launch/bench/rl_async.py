@@ -11,7 +11,8 @@ level's median over the seeds: one run's versions to 0.9 spreads ±30% with the 
 deterministic given its seed: seed 0 needs 165 versions, seed 1 230). Reported per level: time to
 held-out reward 0.9, trainer idle fraction, worker idle fraction, how busy the machine's CPUs were,
 mean and max staleness of the batches, final held-out reward, the trainer's mean step time, the
-workers' mean time to fetch a version and when a version was announced, fetched and usable at them.
+workers' mean time to fetch a version and when a version was announced, fetched and usable at them,
+and the rollouts rejected (every worker here is honest: a rejection or eviction is a verifier bug).
 A PNG of reward against time. Last line:
 
     rl_async: time to reward 0.9 — async0 <s>, async1 <s>, async2 <s>, async4 <s>; trainer idle async0 <x>%, async2 <y>%
@@ -83,6 +84,9 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             "staleness_max": max((b["staleness_max"] for b in batches), default=0),
             "train_step_s": sum(r["train_s"] for r in trainer) / max(len(trainer), 1),
             "rollouts_stale": batches[-1]["rollouts_stale"] if batches else 0,
+            # Every worker here is honest: a rejected rollout or an evicted worker is a verifier bug.
+            "rollouts_rejected": batches[-1]["rollouts_rejected"] if batches else 0,
+            "evictions": re.findall(r"evicted: (.*)", cluster.log("orchestrator")),
             "fetch_s": sum(fetches) / len(fetches) if fetches else None,
             **_version_path(trainer, cluster.events("version"), workers),
             "worker_time": {k: round(sum(w.get(k, 0.0) for w in workers) / max(sum(w["seconds"] for w in workers), 1e-9), 3)
@@ -224,7 +228,10 @@ def _report(result: dict, args: argparse.Namespace, several_seeds: bool, nicenes
           f"{_pct(result['worker_idle'])}, CPUs busy {_pct(result['cpu_busy'])}, staleness mean "
           f"{result['staleness_mean']:.2f} max "
           f"{result['staleness_max']}, train step {result['train_step_s']:.3f} s, version fetch "
-          f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}", flush=True)
+          f"{_s(result['fetch_s'], 2)}, stale rollouts {result['rollouts_stale']}, rejected rollouts "
+          f"{result['rollouts_rejected']}", flush=True)
+    for reason in result["evictions"]:
+        print(f"  an honest worker was evicted (a verifier bug): {reason}", flush=True)
     print(f"  a version's way: published -> usable at the orchestrator {_s(result['to_orchestrator_s'], 2)}, at "
           f"both workers {_s(result['to_workers_s'], 2)} (median; at a worker: announced "
           f"{_s(result['announced_at_workers_s'], 2)}, fetched {_s(result['fetched_at_workers_s'], 2)}, usable "

@@ -12,6 +12,13 @@ each of those positions. A position where sign or exponent differ counts as an e
 not in the prover's top k, or the value moved across a power of two); at the others the mantissas
 differ by some units in the last place (ULPs). These three numbers per chunk are what the calibrated
 thresholds bound.
+
+A position of the verifier's top k that is not in the prover's (the two recomputations order a near-tie
+at the k-th magnitude differently) reads a value the prover never committed to: the polynomial
+evaluated elsewhere. Its sign and exponent usually differ from the verifier's (an exponent mismatch),
+but about 1 time in 50 they agree by chance, and its mantissa difference is noise of up to 1023 ULPs.
+So `ChunkComparison.trimmed` sets aside as many of the largest mantissa differences as the threshold
+allows positions outside the prover's set, less those already shown by their exponent.
 """
 
 from __future__ import annotations
@@ -106,6 +113,9 @@ class ProofBuilder:
         return [b"".join(next(encoded) for _ in row) for row in self._chunks]
 
 
+LARGEST_KEPT = 8  # more than any threshold on exponent mismatches calibrated so far for float32 (1)
+
+
 @dataclass(frozen=True)
 class ChunkComparison:
     """How one chunk of recomputed states compares with the proof."""
@@ -115,6 +125,16 @@ class ChunkComparison:
     mantissa_max: int
     matched: int  # positions compared by mantissa (topk - exponent_mismatches)
     mantissa_sum: int
+    largest: tuple[int, ...] = ()  # the largest mantissa differences, largest first (LARGEST_KEPT of them)
+
+    def trimmed(self, unmatched_allowed: int) -> tuple[int, int]:
+        """(positions compared, their summed mantissa difference) once up to `unmatched_allowed` positions
+        are taken as outside the prover's top k: those with another sign or exponent first, then the
+        largest mantissa differences (a value read outside the prover's set whose exponent agreed by
+        chance). An honest chunk with a near-tie at the k-th magnitude evicted a worker before this (one
+        chunk in some 10^5: 0.625 ULP mean from one position, logits and logprobs exact)."""
+        spare = max(0, min(unmatched_allowed - self.exponent_mismatches, len(self.largest), self.matched))
+        return self.matched - spare, self.mantissa_sum - sum(self.largest[:spare])
 
 
 def split_proof(proof: bytes, settings: ProofSettings) -> list[bytes]:
@@ -136,6 +156,7 @@ def compare(chunk_proofs: list[bytes], states: torch.Tensor, settings: ProofSett
     matched = settings.topk - mismatches
     sums = mantissa.sum(-1)
     means = sums.to(torch.float64) / matched.clamp(min=1)
-    maxima = mantissa.max(-1).values
-    return [ChunkComparison(int(mismatches[c]), float(means[c]), int(maxima[c]), int(matched[c]), int(sums[c]))
+    largest = mantissa.topk(min(LARGEST_KEPT, settings.topk), dim=-1).values.tolist()
+    return [ChunkComparison(int(mismatches[c]), float(means[c]), largest[c][0], int(matched[c]), int(sums[c]),
+                            tuple(largest[c][:int(matched[c])]))
             for c in range(len(chunk_proofs))]

@@ -40,8 +40,10 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     exponent_mismatches: int = Field(ge=0, description="Per chunk: top-k positions whose proof value has "
-                                     "another sign or exponent.")
-    mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs.")
+                                     "another sign or exponent; as many positions may lie outside the prover's "
+                                     "top k (ChunkComparison.trimmed).")
+    mantissa_mean: float = Field(ge=0, description="Per chunk: mean |mantissa difference| in fp16 ULPs over the "
+                                 "positions not set aside as outside the prover's top k.")
     rollout_mantissa_mean: float = Field(ge=0, description="The same mean over all chunks of a rollout; "
                                          "tighter, because honest noise averages out and a changed model does not.")
     logit_noise: float = Field(gt=0, description="Bound δ on |logit difference| per unit of the position's "

@@ -195,7 +195,7 @@ class Verifier:
         else:
             checks.append(Check("termination", True))
 
-        checks.append(self._activation_check(chunks, t))
+        checks.append(activation_check(chunks, t, self.thresholds.proof))
 
         if bad:
             j = bad[0]
@@ -215,23 +215,6 @@ class Verifier:
         else:
             checks.append(Check("logprobs", True))
         return Verdict(checks, chunks)
-
-    def _activation_check(self, chunks: list[ChunkComparison], t: Limits) -> Check:
-        settings = self.thresholds.proof
-        for index, chunk in enumerate(chunks):
-            tokens = f"tokens {index * settings.chunk_tokens}–{(index + 1) * settings.chunk_tokens - 1}"
-            if chunk.exponent_mismatches > t.exponent_mismatches:
-                return Check("activations", False, f"chunk {index} ({tokens}): {chunk.exponent_mismatches} of "
-                             f"{settings.topk} top-k values differ in sign or exponent (threshold {t.exponent_mismatches})")
-            if chunk.mantissa_mean > t.mantissa_mean:
-                return Check("activations", False, f"chunk {index} ({tokens}): mean mantissa difference "
-                             f"{chunk.mantissa_mean:.3g} ULP (threshold {t.mantissa_mean:.3g})")
-        matched = sum(c.matched for c in chunks)
-        overall = sum(c.mantissa_sum for c in chunks) / max(matched, 1)
-        if overall > t.rollout_mantissa_mean:
-            return Check("activations", False, f"mean mantissa difference over the rollout {overall:.3g} ULP "
-                         f"(threshold {t.rollout_mantissa_mean:.3g})")
-        return Check("activations", True)
 
     @staticmethod
     def _pick(logits: torch.Tensor, seed: int, position: int, params: sampling.SamplingParams) -> int:
@@ -288,3 +271,27 @@ def recompute(model: PreTrainedModel, claims: Sequence[Claim], settings: ProofSe
     comparisons = compare(chunk_proofs, torch.cat(chunk_states), settings)
     return [(model.lm_head(state).float(), [c for c, owner in zip(comparisons, owners) if owner == row])
             for row, state in enumerate(states)]
+
+
+def activation_check(chunks: list[ChunkComparison], t: Limits, settings: ProofSettings) -> Check:
+    """A rollout's chunk comparisons against the limits of the dtype its worker claimed. Up to
+    t.exponent_mismatches positions per chunk may lie outside the prover's top k (a near-tie at the k-th
+    magnitude); the mantissa means are taken over the rest (ChunkComparison.trimmed)."""
+    matched_total, sum_total = 0, 0
+    for index, chunk in enumerate(chunks):
+        tokens = f"tokens {index * settings.chunk_tokens}–{(index + 1) * settings.chunk_tokens - 1}"
+        if chunk.exponent_mismatches > t.exponent_mismatches:
+            return Check("activations", False, f"chunk {index} ({tokens}): {chunk.exponent_mismatches} of "
+                         f"{settings.topk} top-k values differ in sign or exponent (threshold {t.exponent_mismatches})")
+        matched, total = chunk.trimmed(t.exponent_mismatches)
+        mean = total / max(matched, 1)
+        if mean > t.mantissa_mean:
+            return Check("activations", False, f"chunk {index} ({tokens}): mean mantissa difference {mean:.3g} "
+                         f"ULP over {matched} positions (threshold {t.mantissa_mean:.3g}; largest differences "
+                         f"{', '.join(map(str, chunk.largest[:4]))})")
+        matched_total, sum_total = matched_total + matched, sum_total + total
+    overall = sum_total / max(matched_total, 1)
+    if overall > t.rollout_mantissa_mean:
+        return Check("activations", False, f"mean mantissa difference over the rollout {overall:.3g} ULP "
+                     f"(threshold {t.rollout_mantissa_mean:.3g})")
+    return Check("activations", True)

@@ -22,9 +22,15 @@ from prime.testing.tiny_policy import next_version, tiny_policy_dir
 from prime.testing.toploc_attacks import ATTACKS, AttackContext, honest_claims
 from prime.verify import calibrate, encoding
 from prime.verify.calibrate import corpus_prompts, generate_claims
-from prime.verify.proof import ProofSettings
-from prime.verify.thresholds import ToplocThresholds
-from prime.verify.verifier import Verifier
+from prime.verify.proof import (
+    ChunkComparison,
+    ProofSettings,
+    compare,
+    encode,
+    top_values,
+)
+from prime.verify.thresholds import Limits, ToplocThresholds
+from prime.verify.verifier import Verifier, activation_check
 
 EOS = ByteTokenizer().eos_id
 ATTACK_SAMPLING = SamplingParams(temperature=1.0, top_p=0.8, max_tokens=96)
@@ -69,6 +75,40 @@ def test_polynomial_encoding_round_trips_in_258_bytes():
         encoding.unpack([b"\x00" * 257], 128)
     with pytest.raises(ValueError, match="outside the field"):
         encoding.unpack([b"\xff" * 258], 128)
+
+
+def test_a_near_tie_at_the_kth_magnitude_does_not_reject_an_honest_chunk():
+    """Prover and verifier order a near-tie at the k-th largest magnitude the other way round: the
+    verifier reads the proof at a position the prover never committed to. Mostly that value's exponent
+    differs (one such position per chunk is allowed); where it agrees by chance, its mantissa difference
+    is noise of hundreds of ULPs, and that one position's noise evicted an honest float32 worker
+    (rl_async, 2026-12-06: 0.625 ULP mean in one chunk, its logits and logprobs exact)."""
+    settings = ProofSettings()
+    limits = Limits(exponent_mismatches=1, mantissa_mean=0.133, rollout_mantissa_mean=0.133, logit_noise=1e-5,
+                    logprob_noise=1e-5)  # what calibration gives a float32 CPU worker
+    generator = torch.Generator().manual_seed(0)
+    states = torch.zeros(1000, 32, 128)
+    states[:, :5] = torch.randn(1000, 5, 128, generator=generator)  # 5 tokens: 640 values for 128 places
+    positions, bits = top_values(states, settings.topk)
+    proofs = encode(positions, bits)
+    flat = states.reshape(1000, -1).clone()
+    order = flat.abs().argsort(dim=-1, descending=True)
+    inside, outside = order[:, settings.topk - 1:settings.topk], order[:, settings.topk:settings.topk + 1]
+    nudged = flat.gather(1, inside).abs() * (1 + 1e-6) * flat.gather(1, outside).sign()
+    flat.scatter_(1, outside, nudged)  # now just above the k-th: in the verifier's top k, not the prover's
+    chunks = compare(proofs, flat.view(1000, 32, 128), settings)
+    by_chance = [c for c in chunks if c.exponent_mismatches == 0 and c.mantissa_mean > limits.mantissa_mean]
+    assert len(by_chance) >= 5  # what rejected honest workers before ChunkComparison.trimmed
+    assert all(c.exponent_mismatches <= 1 for c in chunks)
+    assert all(activation_check([c], limits, settings).passed for c in chunks)
+    # Only as many positions as the threshold allows are set aside: two noisy ones, or a 1-ULP shift at
+    # every position (another version of the weights), still fail.
+    two = ChunkComparison(0, 900 / 128, 500, 128, 900, (500, 400, 0))
+    shifted = ChunkComparison(0, 1.0, 1, 128, 128, (1,) * 8)
+    for chunk in (two, shifted):
+        check = activation_check([chunk], limits, settings)
+        assert not check.passed and "mean mantissa difference" in check.detail
+    assert "largest differences 500, 400" in activation_check([two], limits, settings).detail
 
 
 def test_sampler_noise_depends_only_on_seed_position_and_token():
