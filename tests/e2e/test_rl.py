@@ -86,3 +86,6 @@ def test_workers_come_and_go_rogues_are_evicted_and_the_trainer_resumes(tmp_path
     kept = {name: sorted(p.name for p in (cluster.run_dir / name / "policies").iterdir())
             for name in ("worker-b", "orchestrator")}
     assert len(kept["worker-b"]) <= 2 and len(kept["orchestrator"]) <= 3, kept
+    # The batches a restarted trainer may ask again: checkpoint_every + 1, each in a file of its own.
+    batch_files = sorted(p.name for p in (cluster.run_dir / "orchestrator" / "batches").iterdir())
+    assert batch_files == [f"{s:08d}.json" for s in range(MAX_STEPS - 6, MAX_STEPS)], batch_files

@@ -19,6 +19,7 @@ from prime.inference.sampling import SamplingParams
 from prime.rl.environments.reverse import ReverseConfig, ReverseDigits
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
+from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.policy import new_digit_policy
 from prime.rl.service import Refused
 from prime.rl.worker import _wire
@@ -174,12 +175,11 @@ def test_malformed_submissions_evict_without_reaching_the_verifier(policy):
         orchestrator.submit("w", body)
 
 
-def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(policy):
+def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(policy, tmp_path):
     import json
 
-    saved: list[dict] = []
     orchestrator, versions, _ = _orchestrator(policy, async_level=2)
-    orchestrator.persist = lambda state: saved.append(json.loads(json.dumps(state)))  # what reaches the file
+    orchestrator.store = RunStore(tmp_path)
     numbers: list[int] = []
     texts: list[tuple] = []
     while orchestrator.next_step < 2:
@@ -193,7 +193,7 @@ def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(pol
         rogue = orchestrator.lease("rogue", held=0)
         orchestrator.submit("rogue", _work(orchestrator, versions, rogue, tamper=answer_swap))
     in_flight = orchestrator.lease("w1", held=0)  # leased when the orchestrator dies: skipped
-    state = saved[-1]
+    state = RunStore(tmp_path).load()
 
     again, versions2, records = _orchestrator(policy, async_level=2)
     assert again.restore(state) == 2  # the rogue's returned prompts (w1's lease in flight took the same two)
@@ -222,14 +222,17 @@ def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(pol
     assert texts and not before & set(texts)  # the task stream went on past what the first start drew
 
 
-def test_the_batches_a_trainer_may_ask_again_are_kept_and_survive_a_restart(policy):
+def test_the_batches_a_trainer_may_ask_again_are_kept_and_survive_a_restart(policy, tmp_path):
     """A trainer that checkpoints every 3 steps asks for 4 batches kept: after a restart it asks again for
-    any of the last 4 it was given, from a restarted orchestrator too; older ones are gone (409)."""
+    any of the last 4 it was given, from a restarted orchestrator too; older ones are gone (409). Each
+    batch is written once, to a file of its own; state.json names them and stays small."""
     import json
 
-    saved: list[dict] = []
     orchestrator, versions, _ = _orchestrator(policy, async_level=8)
-    orchestrator.persist = lambda state: saved.append(json.loads(json.dumps(state)))
+    orchestrator.store = RunStore(tmp_path)
+    written: list[int] = []
+    save_batch = orchestrator.store.save_batch
+    orchestrator.store.save_batch = lambda step, batch: (written.append(step), save_batch(step, batch))
     with pytest.raises(Refused, match="between 2 and"):
         orchestrator.batch(0, keep=1)
     while orchestrator.next_step < 6:
@@ -240,10 +243,17 @@ def test_the_batches_a_trainer_may_ask_again_are_kept_and_survive_a_restart(poli
     assert sorted(orchestrator.batches) == [2, 3, 4, 5]
     with pytest.raises(Refused, match="only the last 4"):
         orchestrator.batch(1, keep=4)
+    assert written == [0, 1, 2, 3, 4, 5]  # once each
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == [f"{s:08d}.json" for s in (2, 3, 4, 5)]
+    state_bytes = (tmp_path / "state.json").stat().st_size
+    assert state_bytes < min(p.stat().st_size for p in (tmp_path / "batches").iterdir())
     again, _, _ = _orchestrator(policy, async_level=8)
-    again.restore(saved[-1])
+    again.restore(RunStore(tmp_path).load())
     assert again.batch(2, keep=2) == json.loads(json.dumps(orchestrator.batches[2]))  # kept as the trainer said
     assert again.batches_kept == 4
+    (tmp_path / "batches" / "00000003.json").unlink()
+    with pytest.raises(RuntimeError, match="names batch 3"):
+        RunStore(tmp_path).load()
 
 
 def test_a_worker_gets_work_on_a_version_announced_before_the_orchestrator_has_loaded_it(policy):

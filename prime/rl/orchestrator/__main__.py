@@ -5,7 +5,8 @@
 It follows the policy broadcast with its token (any role), serves workers and the trainer on --port, serves
 a dashboard at / to any token of the run (rollouts/s, reward, staleness, each worker's verified and rejected
 rollouts), and writes metrics.jsonl (batches, evals, evictions) and, when the trainer finishes, summary.json.
-Killed and started again with the same --run-dir and --port, it continues the run from RUN_DIR/state.json.
+Killed and started again with the same --run-dir and --port, it continues the run from RUN_DIR/state.json
+(and the batches the trainer may ask again, RUN_DIR/batches/).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
 from prime.rl.orchestrator.dashboard import PAGES, RunHistory, dashboard_answer
 from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
+from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.versions import PolicyVersions
 from prime.rl.policy_transport import POLICY_KIND, policy_broadcast_settings
 from prime.rl.service import JsonServer, Refused, TokenCheck
@@ -120,16 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     versions = PolicyVersions(member, args.run_dir / "policies", keep=config.async_level + 2,
                               verify_batch_size=config.verify_batch_size)
     env = build_environment(config.env, config.reward_terms)
-    state_path = args.run_dir / "state.json"
-
-    def persist(state: dict) -> None:
-        staging = state_path.with_suffix(".tmp")
-        staging.write_text(json.dumps(state))
-        staging.replace(state_path)  # atomically: a stop mid-write leaves the previous state
-
-    orchestrator = Orchestrator(config, env, versions, record, persist)
-    if state_path.exists():
-        skipped = orchestrator.restore(json.loads(state_path.read_text()))
+    store = RunStore(args.run_dir)
+    orchestrator = Orchestrator(config, env, versions, record, store)
+    saved = store.load()
+    if saved is not None:
+        skipped = orchestrator.restore(saved)
         log.info("restarted (start %d of this run) at trainer step %d; %d prompts that were in flight at the stop "
                  "are skipped, none is used twice; %d workers stay evicted", orchestrator.start,
                  orchestrator.next_step, skipped, len(orchestrator.counters.evicted))

@@ -14,8 +14,9 @@
   go back, its unbatched groups are dropped) and every later request of that token is refused.
 - **Rewards and advantages** are computed here with the task's own verifier; a worker's word about its
   rollout's quality is never asked for.
-- **Restarts.** `state()` is what a restarted orchestrator needs, handed to `persist` whenever a batch is
-  built, a worker is evicted or the run ends: the next step and the newest batches, as many as the
+- **Restarts.** `state()` is what a restarted orchestrator needs, saved by the `RunStore` whenever a batch
+  is built, a worker is evicted or the run ends: the next step and the newest batches (each written once,
+  to a file of its own), as many as the
   trainer said it may ask again after a restart (it checkpoints every few steps), how far the task
   stream was read, the counters (evictions stay in force) and which start this is. `restore()` takes it
   back. Prompts leased or scored but not yet in a batch at the stop are skipped, never used twice;
@@ -39,6 +40,7 @@ from prime.rl.environments.base import Environment
 from prime.rl.grpo import GRPOConfig, group_advantages
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.records import Counters, Group, Lease, Prompt, WorkerStats
+from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import PolicyVersions
 from prime.rl.service import Refused
@@ -46,15 +48,16 @@ from prime.verify.verifier import Claim
 
 log = logging.getLogger(__name__)
 
-# The most batches a trainer may ask to be kept for its restart (each is a step's rows, saved in state.json
-# at every batch built).
+# The most batches a trainer may ask to be kept for its restart (each a step's rows, in a file of its own:
+# run_store.py).
 MAX_BATCHES_KEPT = 64
 
 
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, env: Environment, versions: PolicyVersions,
-                 record=lambda event: None, persist=lambda state: None) -> None:
-        self.config, self.env, self.versions, self.record, self.persist = config, env, versions, record, persist
+                 record=lambda event: None, store: RunStore | None = None) -> None:
+        self.config, self.env, self.versions, self.record = config, env, versions, record
+        self.store = store or RunStore(None)
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
         self.grpo = GRPOConfig(group_size=config.group_size, std_epsilon=config.std_epsilon)
         self._tasks = env.tasks("train", config.seed)
@@ -282,7 +285,7 @@ class Orchestrator:
                     lease.worker, why, rollouts, len(dropped))
         self.record({"event": "evicted", "worker": lease.worker, "reason": why[:300], "time_s": self.elapsed()})
         with self.lock:
-            self.persist(self.state())
+            self.store.save(self.state())
         raise Refused(403, f"evicted: {why}")
 
     # ---- batches -------------------------------------------------------------------------------------
@@ -356,7 +359,8 @@ class Orchestrator:
         # a restart writes (record_unrecorded_batch), never a record of a batch it does not use.
         self.last_batch_event = {"event": "batch", "step": step, "time_s": self.elapsed(), **stats,
                                  "workers": workers, **self.totals()}
-        self.persist(self.state())  # before the trainer can see the batch: a restart serves it again
+        self.store.save_batch(step, batch)  # written once; the state saved next names it
+        self.store.save(self.state())  # before the trainer can see the batch: a restart serves it again
         self.changed.notify_all()
         self.record(self.last_batch_event)
         return batch
@@ -382,7 +386,7 @@ class Orchestrator:
         with self.changed:
             self.final_version = max(self.final_version, version)
             self.done = True
-            self.persist(self.state())
+            self.store.save(self.state())
             self.changed.notify_all()
         log.info("the trainer finished at version %d", version)
         return {"status": "ok"}
@@ -391,7 +395,7 @@ class Orchestrator:
     def state(self) -> dict:
         """What a restarted orchestrator needs (JSON); call with the lock held."""
         c = self.counters
-        return {"start": self.start, "next_step": self.next_step, "batches": self.batches,
+        return {"start": self.start, "next_step": self.next_step, "batch_steps": sorted(self.batches),
                 "batches_kept": self.batches_kept, "drawn": self._drawn,
                 "batched": self._batched, "next_number": next(self._numbers), "elapsed_s": self.elapsed(),
                 "done": self.done,
