@@ -18,6 +18,11 @@ from pathlib import Path
 from elastic_mesh.transfer.chunks import tensors_from
 
 
+class VersionRemoved(RuntimeError):
+    """A chunk stored into a version removed meanwhile (retired: newer ones arrived). Not a source's
+    fault, so not a TransferError (which marks its source failed): the download of it stops."""
+
+
 class ChunkDir:
     def __init__(self, directory: Path, manifest: dict, expected: list[set[str]] | None = None) -> None:
         """expected[i]: the sha256 digests chunk i may have (several when sources of different bytes
@@ -29,6 +34,7 @@ class ChunkDir:
         self._seeded: set[int] = set()  # taken from a seeder (not from a peer): the share this member relays
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a chunk was stored: wakes a relay's waiting requests
+        self.removed = False  # retired (newer versions came) while perhaps still being fetched
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "manifest.json").write_text(json.dumps(manifest))
 
@@ -64,8 +70,16 @@ class ChunkDir:
         with self._lock:
             if index in self._held:
                 return False
-        staging.write_bytes(data)
-        staging.replace(self._path(index))
+        try:
+            if self.removed:
+                raise FileNotFoundError(self.directory)
+            staging.write_bytes(data)
+            staging.replace(self._path(index))
+        except FileNotFoundError:
+            if self.removed:  # the download's end, not a fault: the caller stops fetching this version
+                raise VersionRemoved(f"version {self.version} was retired while it was fetched (newer ones "
+                                     "arrived)") from None
+            raise
         with self._arrived:
             fresh = index not in self._held
             self._held.add(index)
@@ -132,6 +146,8 @@ class ChunkDir:
         return tensors_from(self.manifest, self.read_all())
 
     def remove(self) -> None:
+        """Deletes the version's files; a download still storing chunks into it stops (put raises)."""
+        self.removed = True
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

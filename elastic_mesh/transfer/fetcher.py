@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from elastic_mesh.control.kept_connections import KeptConnections
-from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
+from elastic_mesh.transfer.chunk_dir import ChunkDir, VersionRemoved, bitmap_has
 from elastic_mesh.transfer.chunks import (
     NothingYet,
     SourceBusy,
@@ -314,6 +314,13 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
                         asking[threading.current_thread()] = chunk
                 try:
                     fetch_one(own, chunk, source, wait)
+                except Exception as e:  # noqa: BLE001 - a stream that dies ends the download, with its reason
+                    if not isinstance(e, VersionRemoved):
+                        log.exception("%s %d: a download stream failed", kind, target.version)
+                    with cond:
+                        errors.append(str(e) if isinstance(e, VersionRemoved) else f"a download stream failed: {e!r}")
+                        cond.notify_all()
+                    return
                 finally:
                     asking.pop(threading.current_thread(), None)
                     if isinstance(chunk, list):
@@ -468,5 +475,5 @@ def download(get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir
         others = [t for t in threads if t not in waiting and asking.get(t) not in held]
     for t in others:
         t.join(timeout_s)
-    if errors and not target.complete:
-        raise TransferError(f"{kind} {target.version}: {errors[0]}")
+    if not target.complete:  # every stream ended with chunks missing: never a silent partial version
+        raise TransferError(f"{kind} {target.version}: {errors[0] if errors else 'every stream ended early'}")

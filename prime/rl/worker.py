@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None, tamper: Tamper | None = None) -> int:
                 try:
                     held.fetch(int(answer["version"]))
                     with held.lock:
-                        engine = held.engines[int(answer["version"])]
-                except (BroadcastError, KeyError) as e:
+                        engine = held.engines.get(int(answer["version"]))
+                    if engine is None:  # loaded, then dropped: the follower loaded two newer ones meanwhile
+                        raise BroadcastError("two newer versions were loaded meanwhile")
+                except BroadcastError as e:
                     log.warning("leased version %d not fetched: %s; lease %s given back", answer["version"], e,
                                 answer["lease"])
                     ended = _give_back(orchestrator, answer["lease"], f"version {answer['version']} not fetched")

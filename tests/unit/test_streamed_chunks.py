@@ -242,3 +242,31 @@ def test_waiting_for_a_peer_to_take_its_bytes_ends_when_the_peer_is_gone():
     assert time.monotonic() - started < 0.5
     for s in (sender, listener):
         s.close()
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "a request per chunk"])
+def test_a_version_retired_during_its_download_ends_the_download_with_that_reason(tmp_path, streamed):
+    """A member retires a version (newer ones arrived) while a download of it still runs: the download
+    ends with that reason, its source is not marked failed, and no stream dies with a traceback (a worker
+    under a slow WAN logged FileNotFoundError from its fetch threads and returned a partial version)."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    seeder = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP)
+    seeder.publish(snapshot, "snapshot")
+    source = f"127.0.0.1:{seeder.port}"
+    target = ChunkDir(tmp_path / "me", snapshot.manifest)
+    report = FetchReport(5, snapshot.manifest["total_bytes"], n)
+    crashed = []
+    previous_hook, threading.excepthook = threading.excepthook, lambda args: crashed.append(args.exc_value)
+    try:
+        with pytest.raises(TransferError, match="retired while it was fetched"):
+            download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+                     lambda: {source: None}, SourcePicker(2), report, streams=2, stall_s=30,
+                     on_verified=lambda index: target.remove(), seeders=lambda: {source},
+                     stream=(lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of))
+                     if streamed else None)
+    finally:
+        threading.excepthook = previous_hook
+        seeder.stop()
+    assert not crashed and not report.failed, (crashed, report.failed)
+    assert not target.directory.exists()
