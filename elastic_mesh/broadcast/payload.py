@@ -31,21 +31,25 @@ def files_as_tensors(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {FILES_META: sorted(tensors)}
 
 
-def write_files(target: ChunkDir, out: Path) -> list[Path]:
-    """Writes a complete version's files under `out`; a name that would land outside it is refused."""
-    out = Path(out).resolve()
+def read_files(target: ChunkDir) -> dict[str, bytes]:
+    """A complete version's files by name, in memory (their bytes verified chunk by chunk)."""
     names = set(target.manifest.get("meta", {}).get(FILES_META, []))
     if not names:
         raise ValueError(f"{target.manifest.get('kind', '')} {target.version} holds tensors, not files")
     blob = target.read_all()
+    return {entry["name"]: bytes(blob[entry["offset"]:entry["offset"] + entry["nbytes"]])
+            for entry in target.manifest["tensors"] if entry["name"] in names}
+
+
+def write_files(target: ChunkDir, out: Path) -> list[Path]:
+    """Writes a complete version's files under `out`; a name that would land outside it is refused."""
+    out = Path(out).resolve()
     written = []
-    for entry in target.manifest["tensors"]:
-        if entry["name"] not in names:
-            continue
-        path = (out / entry["name"]).resolve()
+    for name, data in read_files(target).items():
+        path = (out / name).resolve()
         if out not in path.parents:
-            raise ValueError(f"file name {entry['name']!r} would be written outside {out}; refused")
+            raise ValueError(f"file name {name!r} would be written outside {out}; refused")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(blob[entry["offset"]:entry["offset"] + entry["nbytes"]])
+        path.write_bytes(data)
         written.append(path)
     return written

@@ -30,18 +30,19 @@ from elastic_mesh.broadcast.member import (
 from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from prime.core.cli import setup_logging
 from prime.inference.engine import Completion, GenerationRequest
-from prime.inference.hf_engine import HFEngine, load_hf_policy
+from prime.inference.hf_engine import HFEngine
 from prime.inference.sampling import SamplingParams
 from prime.rl.cli import read_token_argument
 from prime.rl.policy_transport import (
     POLICY_KIND,
+    LoadedPolicy,
     fetch_policy,
+    load_policy_directory,
+    load_policy_version,
     meta_of,
     policy_broadcast_settings,
     prune_policies,
-    write_policy,
 )
-from prime.verify.thresholds import ToplocThresholds
 
 log = logging.getLogger("prime.rl.worker")
 
@@ -58,6 +59,7 @@ class HeldPolicy:
     def __init__(self, member: BroadcastMember, root: Path, dtype: torch.dtype) -> None:
         self.member, self.root, self.dtype = member, root, dtype
         self.version = -1
+        self.newest: LoadedPolicy | None = None  # the newest version's model, a template for the next one
         self.engines: dict[int, HFEngine] = {}  # the newest two: a lease granted just before a new version
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
@@ -68,19 +70,24 @@ class HeldPolicy:
         self.loaded_at: dict[int, float] = {}
 
     def load(self, directory: Path, version: int, fetch_s: float | None = None) -> None:
+        """Loads a version fetched on demand (written to `directory`)."""
         with self.lock:
             if version in self.engines:
                 return
         started = time.monotonic()
         try:
-            model = load_hf_policy(directory, dtype=self.dtype)
+            loaded = load_policy_directory(directory, self.dtype)
         except OSError as e:  # pruned meanwhile: two newer versions were loaded
             raise BroadcastError(f"version {version} was retired while it was loaded ({e})") from None
-        engine = HFEngine(model, pad_id=int(model.config.pad_token_id or 0),
-                          proof=ToplocThresholds.load(directory).proof)
+        self._adopt(loaded, version, started, fetch_s)
+
+    def _adopt(self, loaded: LoadedPolicy, version: int, started: float, fetch_s: float | None) -> None:
+        engine = HFEngine(loaded.model, pad_id=int(loaded.model.config.pad_token_id or 0),
+                          proof=loaded.thresholds.proof)
         with self.changed:
             self.engines[version] = engine
-            self.version = max(self.version, version)
+            if version >= self.version:
+                self.version, self.newest = version, loaded
             for old in sorted(self.engines)[:-2]:
                 del self.engines[old]
             self.loaded_at[version] = time.time()
@@ -122,8 +129,13 @@ class HeldPolicy:
     def _fetched(self, target, report) -> None:
         with self.lock:
             self.fetched_at[target.version] = time.time()
+        started = time.monotonic()
         try:
-            self.load(write_policy(target, self.root), target.version, report.seconds)
+            with self.lock:
+                known, like = target.version in self.engines, self.newest
+            if not known:  # straight from the verified chunks into a copy of the newest model
+                self._adopt(load_policy_version(target, self.root, self.dtype, like), target.version, started,
+                            report.seconds)
         except (BroadcastError, OSError) as e:  # retired meanwhile (newer ones came): on to the next version
             log.warning("version %d not loaded: %s", target.version, e)
         finally:

@@ -11,12 +11,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from transformers import AutoTokenizer
 
 from elastic_mesh.broadcast.member import BroadcastError, BroadcastMember
-from prime.inference.hf_engine import eos_id_of, load_hf_policy
-from prime.rl.policy_transport import fetch_policy, prune_policies, write_policy
-from prime.verify.thresholds import ToplocThresholds
+from prime.inference.hf_engine import eos_id_of
+from prime.rl.policy_transport import (
+    LoadedPolicy,
+    fetch_policy,
+    load_policy_directory,
+    load_policy_version,
+    prune_policies,
+    write_policy,
+)
 from prime.verify.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ class PolicyVersions:
         self.models: dict[int, object] = {}
         self.verifiers: dict[int, Verifier] = {}
         self.tokenizer = None
+        self.template: LoadedPolicy | None = None  # the newest version loaded: the next one is loaded into a copy
         self.newest = -1  # the newest version loaded here (rollouts of it can be verified)
         # The newest version the coordinator announced (a signed manifest): workers may be leased work on
         # it while it is still on its way here; its rollouts wait for it in verifier().
@@ -47,7 +55,10 @@ class PolicyVersions:
 
     def _followed(self, target, report) -> None:
         try:
-            self._load(write_policy(target, self.root), target.version, report.seconds)
+            with self._lock:
+                like = self.template
+            self._adopt(target.version, lambda: load_policy_version(target, self.root, torch.float32, like),
+                        lambda: write_policy(target, self.root), report.seconds)
         except OSError as e:  # retired or pruned meanwhile: newer versions overtook it
             log.warning("version %d not loaded: %s", target.version, e)
             self._not_loading(target.version)
@@ -67,19 +78,24 @@ class PolicyVersions:
             self.loading.discard(version)
             self._loaded.notify_all()
 
-    def _load(self, directory: Path, version: int, fetch_s: float) -> None:
+    def _adopt(self, version: int, load: Callable[[], LoadedPolicy], directory: Callable[[], Path],
+               fetch_s: float) -> None:
+        """load(): the version in memory; directory(): one written to disk (for the tokenizer, once)."""
         try:
-            model = load_hf_policy(directory)
-            thresholds = ToplocThresholds.load(directory)
+            loaded = load()
+            tokenizer_from = None if self.tokenizer is not None else (loaded.directory or directory())
         except BaseException:
             self._not_loading(version)
             raise
         with self._lock:
             self.loading.discard(version)  # with the verifier in place: a waiter sees one or the other
             if self.tokenizer is None:
-                self.tokenizer = AutoTokenizer.from_pretrained(directory)
+                self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+            model = loaded.model
             self.models[version] = model
-            self.verifiers[version] = Verifier(model, thresholds, eos_id_of(model), self.verify_batch_size)
+            self.verifiers[version] = Verifier(model, loaded.thresholds, eos_id_of(model), self.verify_batch_size)
+            if version >= self.newest:
+                self.template = loaded
             self.newest = max(self.newest, version)
             self.announced = max(self.announced, version)
             for old in [v for v in self.models if v <= self.newest - self.keep]:
@@ -104,7 +120,8 @@ class PolicyVersions:
                 raise KeyError(version)
         with self._fetching:
             try:
-                self._load(fetch_policy(self.member, self.member.manifest(version), self.root), version, 0.0)
+                directory = fetch_policy(self.member, self.member.manifest(version), self.root)
+                self._adopt(version, lambda: load_policy_directory(directory, torch.float32), lambda: directory, 0.0)
             except (BroadcastError, OSError) as e:  # OSError: pruned while loaded (newer ones came)
                 log.warning("version %d could not be fetched for verification: %s", version, e)
                 raise KeyError(version) from None
