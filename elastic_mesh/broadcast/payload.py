@@ -31,13 +31,14 @@ def files_as_tensors(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {FILES_META: sorted(tensors)}
 
 
-def read_files(target: ChunkDir) -> dict[str, bytes]:
-    """A complete version's files by name, in memory (their bytes verified chunk by chunk)."""
+def read_files(target: ChunkDir) -> dict[str, memoryview]:
+    """A complete version's files by name, in memory (their bytes verified chunk by chunk): views into
+    one buffer, so a large version is not held twice."""
     names = set(target.manifest.get("meta", {}).get(FILES_META, []))
     if not names:
         raise ValueError(f"{target.manifest.get('kind', '')} {target.version} holds tensors, not files")
-    blob = target.read_all()
-    return {entry["name"]: bytes(blob[entry["offset"]:entry["offset"] + entry["nbytes"]])
+    blob = memoryview(target.read_all())
+    return {entry["name"]: blob[entry["offset"]:entry["offset"] + entry["nbytes"]]
             for entry in target.manifest["tensors"] if entry["name"] in names}
 
 

@@ -121,12 +121,12 @@ def load_policy_version(target: ChunkDir, root: Path, dtype: torch.dtype, like: 
     async step waits on. Otherwise (the first version, another config, weights in several files) the
     directory is written under `root` and loaded by from_pretrained. Nothing is unpickled either way."""
     files = read_files(target)
-    config, weights = files.get("config.json", b""), files.get("model.safetensors")
+    config, weights = bytes(files.get("config.json", b"")), files.get("model.safetensors")
     if like is not None and weights is not None and config == like.config and THRESHOLDS_FILE in files:
         model = copy.deepcopy(like.model)
-        missing, unexpected = model.load_state_dict(safetensors.torch.load(weights), strict=False)
+        missing, unexpected = model.load_state_dict(safetensors.torch.load(bytes(weights)), strict=False)
         if not missing and not unexpected:  # else (tied weights left out, say): from_pretrained knows
-            return LoadedPolicy(model.eval(), ToplocThresholds.model_validate_json(files[THRESHOLDS_FILE]), config)
+            return LoadedPolicy(model.eval(), ToplocThresholds.model_validate_json(bytes(files[THRESHOLDS_FILE])), config)
     directory = write_policy(target, root)
     return LoadedPolicy(load_hf_policy(directory, dtype=dtype), ToplocThresholds.load(directory), config, directory)
 

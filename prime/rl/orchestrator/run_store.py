@@ -10,10 +10,7 @@ with 2, and it grows with the batch size times the checkpoint interval.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 
 class RunStore:
