@@ -2,7 +2,7 @@
 
 - Membership (membership.py): sessions, heartbeats, liveness leases;
 - Admission (admission.py): tokens and the checks that a node fits the run;
-- RoundBarrier (rounds/barrier.py): who takes part in each round, votes, commits;
+- RoundBarrier (barrier.py): who takes part in each round, votes, commits;
 - WorkLedgers (leases.py): exactly-once leases of work items of any kind;
 - Broadcasts (broadcasts.py): signed versions of broadcast payloads and who holds their chunks.
 
@@ -27,7 +27,7 @@ from elastic_mesh.coordinator.leases import LedgerError, WorkLedgers
 from elastic_mesh.coordinator.membership import Membership, hash_session
 from elastic_mesh.coordinator.state import CoordinatorState, Node
 from elastic_mesh.coordinator.telemetry import TelemetryLog
-from elastic_mesh.rounds.barrier import RoundBarrier
+from elastic_mesh.coordinator.barrier import RoundBarrier
 
 log = logging.getLogger(__name__)
 

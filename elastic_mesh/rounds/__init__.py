@@ -1,2 +1,3 @@
-"""Numbered rounds: a member declares itself ready, the coordinator fixes who takes part, every member votes, all
-commit the hash of the state they hold. The member side (plan.py) and the coordinator side (barrier.py)."""
+"""Numbered rounds as a member takes part in them: it declares itself ready, the coordinator fixes who
+takes part, every member votes, all commit the hash of the state they hold (plan.py). The coordinator's
+side of the same protocol is elastic_mesh/coordinator/barrier.py."""
