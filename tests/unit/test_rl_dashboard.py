@@ -11,7 +11,7 @@ from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 from prime.rl.orchestrator.dashboard import PAGES, PATH, RunHistory
-from prime.rl.service import JsonServer, TokenCheck
+from elastic_mesh.control.http import JsonServer, TokenCheck
 
 
 def test_the_history_keeps_what_the_charts_need_numbered_and_bounded():

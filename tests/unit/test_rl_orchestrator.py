@@ -21,7 +21,7 @@ from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.policy import new_digit_policy
-from prime.rl.service import Refused
+from elastic_mesh.control.http import Refused
 from prime.rl.worker import _wire
 from prime.testing.rogue_worker import answer_swap
 from prime.verify.thresholds import ToplocThresholds

@@ -13,7 +13,7 @@ import pytest
 from elastic_mesh.control.client import CoordinatorClient
 from elastic_mesh.control.token import read_token
 from elastic_mesh.coordinator.run import make_token, start_coordinator
-from prime.rl.service import JsonServer, Refused, TokenCheck
+from elastic_mesh.control.http import JsonServer, Refused, TokenCheck
 from prime.rl.worker import EXIT_EVICTED, Submitter, WorkerClock
 
 

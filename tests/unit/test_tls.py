@@ -265,7 +265,7 @@ def test_the_lifeline_over_tls_reports_a_killed_process_at_once_and_can_be_repla
 def test_the_rl_orchestrator_serves_tls_with_its_members_certificate(coordinator, tmp_path):
     """prime.rl's orchestrator answers workers with the certificate the coordinator gave its broadcast
     member, and confirms their tokens with the coordinator it pinned itself."""
-    from prime.rl.service import JsonServer, TokenCheck
+    from elastic_mesh.control.http import JsonServer, TokenCheck
 
     settings = BroadcastSettings(host="127.0.0.1")
     own = make_token(tmp_path / "coord", 600, role="worker", publish=True)

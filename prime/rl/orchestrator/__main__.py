@@ -33,7 +33,7 @@ from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.versions import PolicyVersions
 from prime.rl.policy_transport import POLICY_KIND, policy_broadcast_settings
-from prime.rl.service import JsonServer, Refused, TokenCheck
+from elastic_mesh.control.http import JsonServer, Refused, TokenCheck
 
 log = logging.getLogger("prime.rl.orchestrator")
 

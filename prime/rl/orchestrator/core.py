@@ -43,7 +43,7 @@ from prime.rl.orchestrator.records import Counters, Group, Lease, Prompt, Worker
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import PolicyVersions
-from prime.rl.service import Refused
+from elastic_mesh.control.http import Refused
 from prime.verify.verifier import Claim
 
 log = logging.getLogger(__name__)

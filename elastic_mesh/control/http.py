@@ -1,8 +1,9 @@
-"""The JSON-over-HTTP plumbing of the RL processes: a small threaded server whose every request is
-authenticated with a run token that the coordinator itself confirms, and size-limited.
+"""JSON over HTTP for the services a run's members talk to besides the coordinator (the RL
+orchestrator today): a small threaded server whose every request is authenticated with a run token
+that the coordinator itself confirms, and size-limited.
 
-The orchestrator holds no run secret, so it cannot check a token's signature; it asks the run's
-coordinator (the address it was started with, never the one a token names) and caches the answer for
+A service holds no run secret, so it cannot check a token's signature; it asks the run's coordinator
+(the address it was started with, never the one a token names) and caches the answer for
 `recheck_s`, so a revoked token stops working within that time.
 """
 
@@ -105,7 +106,7 @@ class JsonServer(ThreadingHTTPServer):
         return self.server_address[1]
 
     def start(self) -> None:
-        threading.Thread(target=self.serve_forever, daemon=True, name="rl-http").start()
+        threading.Thread(target=self.serve_forever, daemon=True, name="http-service").start()
 
     def stop(self) -> None:
         self.shutdown()
