@@ -156,7 +156,7 @@ def part_toploc(policy: Path, work: Path, device: str = "cuda", cost_shape: dict
         int8_weights,
     )
     from prime.verify.calibrate import calibrate, corpus_prompts, generate_claims
-    from prime.verify.proof import ProofSettings
+    from prime.verify.proof import ProofSettings, proof_observer
     from prime.verify.thresholds import ToplocThresholds
     from prime.verify.verifier import Claim, Verifier
 
@@ -226,7 +226,7 @@ def part_toploc(policy: Path, work: Path, device: str = "cuda", cost_shape: dict
                                               num_heads=16, num_kv_heads=8, max_position_embeddings=1024)))
     reference = build_model(shape, seed=0, device=device).eval()
     worker = build_model(shape, seed=0, device=device).to(torch.bfloat16).eval()
-    engine = HFEngine(worker, eos_id=shape.vocab_size - 1, proof=ProofSettings())
+    engine = HFEngine(worker, eos_id=shape.vocab_size - 1, observer=proof_observer(ProofSettings()))
     requests = [GenerationRequest([int(t) % 31999 for t in corpus_prompts(tokenize, 1, seed=i)[0]], seed=i,
                                   sampling=SamplingParams(max_tokens=256)) for i in range(64)]
     engine.generate(requests[:8])

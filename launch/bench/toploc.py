@@ -35,6 +35,7 @@ from prime.verify import calibrate
 from prime.verify.calibrate import corpus_prompts, generate_claims
 from prime.verify.thresholds import ToplocThresholds
 from prime.verify.verifier import Claim, Verifier
+from prime.verify.proof import proof_observer
 
 
 def timing(model, tokenize, verifier: Verifier, eos_id: int, rollouts: int, max_tokens: int) -> tuple[float, float, float]:
@@ -42,7 +43,7 @@ def timing(model, tokenize, verifier: Verifier, eos_id: int, rollouts: int, max_
     prompts = corpus_prompts(tokenize, rollouts, seed=4242)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
     requests = [GenerationRequest(p, seed=77 + i, sampling=sampling) for i, p in enumerate(prompts)]
-    engine = HFEngine(model, eos_id=eos_id, proof=verifier.thresholds.proof)
+    engine = HFEngine(model, eos_id=eos_id, observer=proof_observer(verifier.thresholds.proof))
     engine.generate(requests[:16])  # warm-up: tables and allocator
     engine.stats.total_s = engine.stats.proof_s = engine.stats.tokens = 0
     completions = []

@@ -2,7 +2,8 @@
 
 The CPU engine (`HFEngine`) implements it with Hugging Face transformers; a GPU engine such as vLLM
 fits the same interface as long as it samples with `prime.inference.sampling` and hands each decode
-step's final hidden state to a `ProofBuilder`, which is all a verifier needs to check its output.
+step's final hidden state to a `StepObserver`. The engine defines that seam and knows nothing of what
+observes it: prime/verify's `ProofBuilder` is one (TOPLOC: all a verifier needs to check the output).
 """
 
 from __future__ import annotations
@@ -43,6 +44,24 @@ class GenerationStats:
     total_s: float = 0.0
     proof_s: float = 0.0
     tokens: int = 0
+
+
+class StepObserver(Protocol):
+    """Watches one batch's generation: every decode step's final hidden states, and at the end answers
+    one commitment per row (a TOPLOC proof: prime.verify.proof.ProofBuilder)."""
+
+    def add(self, hidden: torch.Tensor, active: torch.Tensor) -> None:
+        """hidden [rows, hidden_size]: this step's final states; active [rows] bool: rows still generating."""
+
+    def finish(self) -> list[bytes]:
+        """The commitment of each row, in row order."""
+
+
+class ObserverFactory(Protocol):
+    """Makes the observer of one batch (rows, hidden size, device). An engine without one commits to
+    nothing (empty proofs): held-out evaluation, the reference loop."""
+
+    def __call__(self, rows: int, hidden_size: int, device: torch.device) -> StepObserver: ...
 
 
 class InferenceEngine(Protocol):

@@ -2,8 +2,8 @@
 
 Prompts of one batch are left-padded (positions counted from each prompt's first real token), then the
 loop decodes one token per step for every row until each has met EOS or its length limit. Each step's
-final hidden state goes to the proof builder before the next step; the proof's polynomial encoding is
-done once at the end of the batch.
+final hidden state goes to the batch's observer (a TOPLOC proof builder, where one is given) before
+the next step; what the observer commits to is asked once, at the end of the batch.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from prime.inference import sampling
-from prime.inference.engine import Completion, GenerationRequest, GenerationStats
-from prime.verify.proof import ProofBuilder, ProofSettings
+from prime.inference.engine import Completion, GenerationRequest, GenerationStats, ObserverFactory
 
 
 def load_hf_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
@@ -61,11 +60,13 @@ class HFEngine:
     """Implements `InferenceEngine` on a transformers causal LM (Llama-shaped: `.model` and `.lm_head`)."""
 
     def __init__(self, model: PreTrainedModel, eos_id: int | None = None, pad_id: int = 0,
-                 proof: ProofSettings | None = None, record_logits: bool = False) -> None:
+                 observer: ObserverFactory | None = None, record_logits: bool = False) -> None:
+        """observer: makes what watches each batch's hidden states (prime.verify.proof.proof_observer);
+        None: no proofs (empty bytes)."""
         self.model = model.eval()
         self.eos_id = eos_id_of(model) if eos_id is None else eos_id
         self.pad_id = pad_id
-        self.proof = proof or ProofSettings()
+        self.observer = observer
         self.record_logits = record_logits
         self.stats = GenerationStats()
         self._cache_argument = _cache_argument(model)
@@ -106,7 +107,7 @@ class HFEngine:
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device)
         limit = torch.tensor([r.sampling.max_tokens for r in requests], device=device)
-        builder = ProofBuilder(self.proof, rows, self.model.config.hidden_size, device)
+        builder = self.observer(rows, self.model.config.hidden_size, device) if self.observer else None
         cache = {self._cache_argument: DynamicCache()}
         hidden = self.model.model(input_ids=ids, attention_mask=mask, position_ids=position,
                                   use_cache=True, **cache).last_hidden_state[:, -1]
@@ -117,9 +118,10 @@ class HFEngine:
         while True:
             if not bool(torch.isfinite(hidden[active]).all()):
                 raise FloatingPointError(f"the model produced non-finite activations at step {step}")
-            proof_started = time.perf_counter()
-            builder.add(hidden, active)
-            proof_s += time.perf_counter() - proof_started
+            if builder is not None:
+                proof_started = time.perf_counter()
+                builder.add(hidden, active)
+                proof_s += time.perf_counter() - proof_started
             logits = self.model.lm_head(hidden).to(torch.float32)
             token = sampling.sample(logits, seeds, torch.full_like(seeds, step), params)
             token = token.masked_fill(~active, self.pad_id)
@@ -136,7 +138,7 @@ class HFEngine:
             hidden = self.model.model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
                                       use_cache=True, **cache).last_hidden_state[:, -1]
         proof_started = time.perf_counter()
-        proofs = builder.finish()
+        proofs = builder.finish() if builder is not None else [b""] * rows
         proof_s += time.perf_counter() - proof_started
         token_table = torch.stack(tokens, dim=1).cpu()
         logprob_table = torch.stack(logprobs, dim=1).cpu()

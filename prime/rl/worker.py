@@ -43,6 +43,7 @@ from prime.rl.policy_transport import (
     policy_broadcast_settings,
     prune_policies,
 )
+from prime.verify.proof import proof_observer
 
 log = logging.getLogger("prime.rl.worker")
 
@@ -83,7 +84,7 @@ class HeldPolicy:
 
     def _adopt(self, loaded: LoadedPolicy, version: int, started: float, fetch_s: float | None) -> None:
         engine = HFEngine(loaded.model, pad_id=int(loaded.model.config.pad_token_id or 0),
-                          proof=loaded.thresholds.proof)
+                          observer=proof_observer(loaded.thresholds.proof))
         with self.changed:
             self.engines[version] = engine
             if version >= self.version:

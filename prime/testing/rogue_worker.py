@@ -32,7 +32,7 @@ def answer_swap(requests: list[GenerationRequest], completions: list[Completion]
         digits = request.prompt[:request.prompt.index(equals)] if equals in request.prompt else request.prompt
         tokens = (list(reversed(digits)) + [SPECIALS["</s>"]])[:request.sampling.max_tokens]
         claim = Claim(request.prompt, request.seed, request.sampling, completion)
-        forged.append(prove_by_prefill(engine.model, claim, tokens, engine.proof))
+        forged.append(prove_by_prefill(engine.model, claim, tokens, engine.observer))
     return forged
 
 
@@ -45,7 +45,7 @@ class Int8:
     def __call__(self, requests, completions, engine: HFEngine) -> list[Completion]:
         if id(engine) not in self.engines:
             self.engines[id(engine)] = HFEngine(int8_weights(engine.model), eos_id=engine.eos_id, pad_id=engine.pad_id,
-                                                proof=engine.proof)
+                                                observer=engine.observer)
         return [replace(c, compute_dtype="float32") for c in self.engines[id(engine)].generate(requests)]
 
 

@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from prime.inference.engine import Completion
+from prime.inference.engine import Completion, ObserverFactory
 from prime.inference.sampling import logprobs as sampled_logprobs
 from prime.verify.calibrate import corpus_prompts, generate_claims, requests_for
-from prime.verify.proof import ProofBuilder, ProofSettings
+from prime.verify.proof import ProofSettings, proof_observer
 from prime.verify.verifier import Claim
 
 HONEST_CONDITIONS = [(64, 1), (48, 2), (7, 1), (32, 2)]  # (generation batch size, threads)
@@ -72,12 +72,15 @@ def _request_of(claim: Claim, sampling_update: dict | None):
 
 
 @torch.no_grad()
-def prove_by_prefill(model: torch.nn.Module, claim: Claim, tokens: list[int], proof: ProofSettings) -> Completion:
-    """A completion for arbitrary tokens whose proof and logprobs are what `model` computes for them."""
+def prove_by_prefill(model: torch.nn.Module, claim: Claim, tokens: list[int],
+                     proof: ProofSettings | ObserverFactory) -> Completion:
+    """A completion for arbitrary tokens whose proof and logprobs are what `model` computes for them.
+    proof: the proof's shape, or an engine's observer factory (proof_observer of that shape)."""
     device = next(model.parameters()).device
     sequence = torch.tensor([claim.prompt + tokens], device=device)
     states = model.model(input_ids=sequence).last_hidden_state[0, len(claim.prompt) - 1:len(claim.prompt) - 1 + len(tokens)]
-    builder = ProofBuilder(proof, 1, states.shape[-1], device)
+    observer = proof_observer(proof) if isinstance(proof, ProofSettings) else proof
+    builder = observer(1, states.shape[-1], device)
     for state in states:
         builder.add(state[None], torch.ones(1, dtype=torch.bool, device=device))
     lp = sampled_logprobs(model.lm_head(states).float(), torch.tensor(tokens, device=device), claim.sampling)

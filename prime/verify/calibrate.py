@@ -28,7 +28,7 @@ from tqdm import tqdm
 from prime.inference.engine import GenerationRequest
 from prime.inference.hf_engine import HFEngine, eos_id_of, load_hf_policy
 from prime.inference.sampling import SamplingParams
-from prime.verify.proof import ProofSettings
+from prime.verify.proof import ProofSettings, proof_observer
 from prime.verify.thresholds import (
     Calibration,
     HonestMaxima,
@@ -82,7 +82,7 @@ def generate_claims(model, requests: list[GenerationRequest], batch_size: int, t
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engine = HFEngine(model, eos_id=eos_id, proof=proof, pad_id=model.config.pad_token_id or 0,
+        engine = HFEngine(model, eos_id=eos_id, observer=proof_observer(proof), pad_id=model.config.pad_token_id or 0,
                           record_logits=record_logits)
         claims = []
         for start in range(0, len(requests), batch_size):

@@ -23,11 +23,13 @@ allows positions outside the prover's set, less those already shown by their exp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from prime.inference.engine import ObserverFactory
 from prime.verify import encoding
 
 
@@ -66,8 +68,13 @@ def encode(positions: torch.Tensor, bits: torch.Tensor) -> list[bytes]:
     return encoding.pack(moduli, coefficients)
 
 
+def proof_observer(settings: ProofSettings) -> ObserverFactory:
+    """What an engine is handed to build TOPLOC proofs of this shape while it generates."""
+    return functools.partial(ProofBuilder, settings)
+
+
 class ProofBuilder:
-    """Collects the final hidden state of every decode step for a batch of rows, takes each chunk's top k
+    """A `StepObserver` (prime.inference.engine). Collects the final hidden state of every decode step for a batch of rows, takes each chunk's top k
     as soon as the chunk is complete, and encodes everything at the end in one batched call (so the
     polynomial work is paid once per batch, not once per chunk)."""
 

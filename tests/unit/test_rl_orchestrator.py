@@ -26,6 +26,7 @@ from prime.rl.worker import _wire
 from prime.testing.rogue_worker import answer_swap
 from prime.verify.thresholds import ToplocThresholds
 from prime.verify.verifier import Verifier
+from prime.verify.proof import proof_observer
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def _orchestrator(policy, **settings) -> tuple[Orchestrator, LocalVersions, list
 def _work(orchestrator: Orchestrator, versions: LocalVersions, lease: dict, tamper=None) -> dict:
     """What an honest worker (or one with `tamper`) sends back for a lease."""
     model = versions.model(lease["version"])
-    engine = HFEngine(model, pad_id=versions.tokenizer.pad_token_id, proof=versions.thresholds.proof)
+    engine = HFEngine(model, pad_id=versions.tokenizer.pad_token_id,
+                      observer=proof_observer(versions.thresholds.proof))
     sampling = SamplingParams.model_validate(lease["sampling"])
     requests = [GenerationRequest(r["prompt"], r["seed"], sampling) for r in lease["requests"]]
     completions = engine.generate(requests)

