@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prime.config import ConfigError, describe_fields, load_config, load_section
 from prime.core.cli import setup_logging, split_overrides
-from prime.testing.faults import PREFIX, FaultConfig, FaultHook, split_fault_overrides
+from prime.chaos.faults import PREFIX, FaultConfig, FaultHook, split_fault_overrides
 
 USAGE = """usage: python -m prime.train [--config FILE] [--run-dir DIR] [--join TOKEN [--name NAME]] [--resume] [--quiet]
                               [--section.key VALUE ...]

@@ -1,6 +1,6 @@
 """The seam through which faults enter an outer step: the DiLoCo hook calls these at the moments a
 fault can strike, and does nothing else with them. Production runs the no-op `NoFaults`; tests and
-the chaos harness install prime/testing/faults.py's FaultHook, configured apart from the job."""
+the chaos harness install prime/chaos/faults.py's FaultHook, configured apart from the job."""
 
 from __future__ import annotations
 

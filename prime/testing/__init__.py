@@ -1,1 +1,2 @@
-"""Fault injection for tests and the chaos harness; never installed into a job by its config."""
+"""Helpers for tests and benchmarks that production never imports: a trained tiny policy, what a
+cheating worker sends (toploc_attacks), a worker process with a tamper hook (rogue_worker)."""

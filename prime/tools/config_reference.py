@@ -29,7 +29,7 @@ from prime.rl.environments.terms import RewardTerms
 from prime.rl.grpo import GRPOConfig
 from prime.rl.orchestrator.config import OnlineFilter, OrchestratorConfig
 from prime.rl.trainer import RLTrainerConfig
-from prime.testing.faults import PREFIX, FaultConfig
+from prime.chaos.faults import PREFIX, FaultConfig
 from prime.verify.proof import ProofSettings
 from prime.verify.thresholds import Limits, ToplocThresholds
 
