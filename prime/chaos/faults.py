@@ -57,13 +57,6 @@ class FaultConfig(BaseModel):
         return self != FaultConfig()
 
 
-def split_fault_overrides(overrides: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(the job's overrides, this hook's fields) from `--section.key value` pairs."""
-    job = {k: v for k, v in overrides.items() if not k.startswith(PREFIX)}
-    faults = {k.removeprefix(PREFIX): v for k, v in overrides.items() if k.startswith(PREFIX)}
-    return job, faults
-
-
 def corrupted(item: Chunked) -> Chunked:
     """The same manifest over bytes with one bit flipped in every chunk: what a faulty disk, a bad NIC or
     a lying peer would serve. Fetchers must notice chunk by chunk and take those chunks elsewhere."""

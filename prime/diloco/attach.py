@@ -7,13 +7,13 @@ import socket
 
 import torch.distributed as dist
 
-from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from prime.config import JobConfig
+from elastic_mesh import ElasticDeviceMesh, MeshConfig, node_hash
 from prime.data.shards import data_fingerprint, make_shards
+from prime.diloco.config import DilocoConfig
 from prime.diloco.faults import OuterStepFaults
 from prime.diloco.hook import DilocoHook
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
-from prime.pretrain.trainer import Trainer
+from prime.pretrain.trainer import RunMembership, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -43,55 +43,50 @@ def _restore_outer(trainer: Trainer, outer: OuterOptimizer, sync_period: int) ->
     return step
 
 
-def shared_settings(config: JobConfig) -> dict:
+def shared_settings(diloco: DilocoConfig, mesh: MeshConfig) -> dict:
     """Settings of the outer loop every node of a run must share (the coordinator names any difference)."""
-    d, m = config.diloco, config.mesh
-    return {"diloco.inner_steps": d.inner_steps, "diloco.mode": d.mode, "diloco.fragments": d.fragment_count,
-            "diloco.overlap": d.overlap, "diloco.compression": d.compression,
-            "diloco.outer_lr": d.outer_lr, "diloco.outer_momentum": d.outer_momentum,
-            "mesh.streams_per_peer": m.streams_per_peer}
+    return {"diloco.inner_steps": diloco.inner_steps, "diloco.mode": diloco.mode,
+            "diloco.fragments": diloco.fragment_count, "diloco.overlap": diloco.overlap,
+            "diloco.compression": diloco.compression, "diloco.outer_lr": diloco.outer_lr,
+            "diloco.outer_momentum": diloco.outer_momentum, "mesh.streams_per_peer": mesh.streams_per_peer}
 
 
-def attach_to_run(trainer: Trainer, config: JobConfig, token: str, name: str | None,
+def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfig, token: str, name: str | None,
                   faults: OuterStepFaults | None = None) -> ElasticDeviceMesh:
-    H = config.diloco.inner_steps
+    """Joins the run the token names and makes `trainer` one of its DiLoCo replicas (Trainer.join_run).
+    Returns the node's mesh (the caller closes it)."""
+    config, H = trainer.config, diloco.inner_steps
     if config.checkpoint.every % H:
         raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
                          "multi-node node can only be resumed from the end of an outer step")
-    if config.diloco.fragment_count > config.mesh.snapshot_keep:
-        raise ValueError(f"diloco.fragments {config.diloco.fragment_count} is over mesh.snapshot_keep "
-                         f"{config.mesh.snapshot_keep}: a node catching up replays up to fragments − 1 updates after "
+    if diloco.fragment_count > mesh_config.snapshot_keep:
+        raise ValueError(f"diloco.fragments {diloco.fragment_count} is over mesh.snapshot_keep "
+                         f"{mesh_config.snapshot_keep}: a node catching up replays up to fragments − 1 updates after "
                          "the newest whole snapshot; raise mesh.snapshot_keep")
-    outer = OuterOptimizer(local_shards(trainer.model), config.diloco.outer_lr, config.diloco.outer_momentum,
-                           config.diloco.fragment_count)
-    restored_step = _restore_outer(trainer, outer, config.diloco.sync_period)
+    outer = OuterOptimizer(local_shards(trainer.model), diloco.outer_lr, diloco.outer_momentum,
+                           diloco.fragment_count)
+    restored_step = _restore_outer(trainer, outer, diloco.sync_period)
     # The run leases data shards to local ranks as work of kind "data" (elastic_mesh knows no shards).
     data = {"items": len(make_shards(trainer.train_files, config.data.parts_per_file)),
             "fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
     facts = {"name": name or socket.gethostname(), "fingerprint": config.model_fingerprint(),
              "state_hash": node_hash(outer.digest()), "address": "", "restored_round": restored_step,
-             "work": {"data": data}, "protocol": shared_settings(config)}
+             "work": {"data": data}, "protocol": shared_settings(diloco, mesh_config)}
     # Served to peers that are behind: whole snapshots and inner moments of the newest two outer steps,
     # and the averaged updates of the last mesh.snapshot_keep, which a node a few steps behind replays.
-    serves = {"snapshot": 2, "update": config.mesh.snapshot_keep, "inner": 2}
-    mesh = ElasticDeviceMesh(config.mesh, token, facts, serves)
-    hook = DilocoHook(trainer.model, mesh, config.diloco, outer, trainer.run_dir / "downloads", faults)
+    serves = {"snapshot": 2, "update": mesh_config.snapshot_keep, "inner": 2}
+    mesh = ElasticDeviceMesh(mesh_config, token, facts, serves)
+    hook = DilocoHook(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults)
     hook.outer_step = restored_step
-    trainer.hooks.append(hook)
-    trainer.checkpoint_tensors.append(hook.checkpoint_tensors)
-    trainer.checkpoint_multiple = H
-    trainer.metrics.sinks.append(_dashboard_sink(mesh, config.diloco.inner_steps))
-    # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     worker = dist.get_rank()
-    trainer.lease_data(lambda held, spare: mesh.lease("data", worker, held, spare), worker)
-    trainer.prefix = f"[{mesh.name}]"
-    trainer.progress.prefix = trainer.prefix
-    trainer.progress.sync_every = config.diloco.sync_period
-    trainer.metrics.name_run(mesh.name, group=mesh.joined["run_id"])
-    if dist.get_rank() == 0 and config.train.eval_every % config.diloco.inner_steps:
+    # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
+    trainer.join_run(RunMembership(
+        name=mesh.name, run_id=mesh.joined["run_id"], hook=hook, checkpoint_tensors=hook.checkpoint_tensors,
+        checkpoint_multiple=H, sync_every=diloco.sync_period, sink=_dashboard_sink(mesh, H),
+        lease=lambda held, spare: mesh.lease("data", worker, held, spare), worker=worker))
+    if dist.get_rank() == 0 and config.train.eval_every % H:
         log.warning("[%s] train.eval_every %d is not a multiple of diloco.inner_steps %d: eval loss will be measured "
-                    "on inner weights between syncs, not on the outer model", mesh.name, config.train.eval_every,
-                    config.diloco.inner_steps)
+                    "on inner weights between syncs, not on the outer model", mesh.name, config.train.eval_every, H)
     if dist.get_rank() == 0:
         log.info("[%s] joined run %s at outer step %d (%d local rank(s), data shards leased from the coordinator)",
                  mesh.name, mesh.joined["run_id"], mesh.joined["committed_round"], dist.get_world_size())

@@ -11,14 +11,14 @@ from typing import Protocol
 
 import torch
 
-from prime.config import JobConfig
+from prime.pretrain.config import PretrainConfig
 from prime.core.metrics import MetricsWriter
 from prime.core.progress import ProgressDisplay
 from prime.data.leased import LeasedSequenceStream
 
 
 class TrainerView(Protocol):
-    config: JobConfig
+    config: PretrainConfig
     step: int  # inner steps taken
     tokens_seen: int
     optimizer: torch.optim.Optimizer  # the inner optimizer, whose moments a joiner takes from its peers

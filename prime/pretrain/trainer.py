@@ -10,14 +10,14 @@ import logging
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from prime.config import JobConfig
 from prime.core.checkpoint import CheckpointStore
 from prime.core.distributed import LocalGroup
 from prime.core.flops import peak_flops
@@ -37,6 +37,7 @@ from prime.data.loader import (
 )
 from prime.data.shards import make_shards
 from prime.data.tokenizer import load_tokenizer
+from prime.pretrain.config import PretrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,24 @@ class StepHook(Protocol):
     def on_end(self, trainer: "Trainer") -> None: ...
 
 
+@dataclass(frozen=True)
+class RunMembership:
+    """What a multi-node run asks of the trainer it makes one of its replicas (prime/diloco/attach.py),
+    handed over in one call (Trainer.join_run) instead of written into the trainer from outside."""
+
+    name: str  # the node's name in the run: it prefixes this trainer's log lines
+    run_id: str  # metrics runs are grouped by it
+    hook: StepHook  # the outer loop
+    checkpoint_tensors: Callable[[], dict[str, torch.Tensor]]  # its own state, saved with every checkpoint
+    checkpoint_multiple: int  # checkpoints only at inner steps that are multiples (the ends of outer steps)
+    sync_every: int  # inner steps between synchronisations (the progress display's rhythm)
+    sink: Callable[[dict], None]  # every metrics record also goes here (the run's dashboard)
+    lease: Callable[[list, bool], dict | None]  # the data lease: see lease_data
+    worker: int  # the global rank leasing data
+
+
 class Trainer:
-    def __init__(self, config: JobConfig, group: LocalGroup, run_dir: Path, resume: bool = False,
+    def __init__(self, config: PretrainConfig, group: LocalGroup, run_dir: Path, resume: bool = False,
                  quiet: bool = False, hooks: list[StepHook] | None = None) -> None:
         config.check_world(group.world_size)
         self.config, self.group, self.run_dir = config, group, Path(run_dir)
@@ -96,6 +113,23 @@ class Trainer:
             log.info("%s model %.2fM params, %d local rank(s) on %s, %s, batch %d × %d tokens, %d accumulation step(s)",
                      self.prefix, self.num_params / 1e6, group.world_size, group.device, self.dtype,
                      config.train.batch_size, config.train.seq_len, self.accumulation)
+
+    def add_hook(self, hook: StepHook, first: bool = False) -> None:
+        """first: before the hooks already attached (a fault that kills at inner step k must strike before
+        that step's outer step)."""
+        self.hooks.insert(0, hook) if first else self.hooks.append(hook)
+
+    def join_run(self, membership: RunMembership) -> None:
+        """Makes this trainer one replica of a multi-node run: the run's outer loop after every step, its
+        state in every checkpoint, data leased from the run, logs named after the node."""
+        self.add_hook(membership.hook)
+        self.checkpoint_tensors.append(membership.checkpoint_tensors)
+        self.checkpoint_multiple = membership.checkpoint_multiple
+        self.metrics.sinks.append(membership.sink)
+        self.lease_data(membership.lease, membership.worker)
+        self.prefix = self.progress.prefix = f"[{membership.name}]"
+        self.progress.sync_every = membership.sync_every
+        self.metrics.name_run(membership.name, group=membership.run_id)
 
     def lease_data(self, lease, worker: int) -> LeasedSequenceStream:
         """Reads shards leased from the coordinator instead of a fixed slice (a multi-node run): see
