@@ -41,6 +41,7 @@ _PUBLIC = {
     # the command line every entry point speaks
     "CommandLine": "elastic_mesh.cli",
     "Flag": "elastic_mesh.cli",
+    "Positional": "elastic_mesh.cli",
     "ConfigError": "elastic_mesh.cli",
     "load_config_file": "elastic_mesh.cli",
     "path_exists": "elastic_mesh.cli",
@@ -66,7 +67,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from elastic_mesh.broadcast import payload
     from elastic_mesh.broadcast.member import BroadcastError, BroadcastMember, BroadcastSettings
-    from elastic_mesh.cli import CommandLine, ConfigError, Flag, load_config_file, path_exists
+    from elastic_mesh.cli import CommandLine, ConfigError, Flag, Positional, load_config_file, path_exists
     from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
     from elastic_mesh.control.http import JsonServer, Refused, TokenCheck
     from elastic_mesh.control.token import read_token

@@ -114,7 +114,7 @@ class RLCluster:
                                     str(self.token("orchestrator")), "--run-dir", str(self.run_dir / "orchestrator"),
                                     "--host", self.host("orchestrator"), "--advertise-host", self.host("orchestrator"),
                                     "--port", port,
-                                    *[f"--set={s}" for s in self.orchestrator_sets]])
+                                    *_overrides(self.orchestrator_sets)])
         wait_for(lambda: address.exists() or self._died("orchestrator"), 120, "the orchestrator's address")
         self.orchestrator_address = address.read_text().strip()
 
@@ -125,11 +125,12 @@ class RLCluster:
                                str(self.token("trainer", publish=True)), "--policy", str(self.policy),
                                "--orchestrator", self.orchestrator_address, "--run-dir", str(self.run_dir / "trainer"),
                                "--advertise-host", self.host("trainer"),
-                               *[f"--set={s}" for s in self.trainer_sets]])
+                               *_overrides(self.trainer_sets)])
 
     def start_worker(self, name: str, module: str = "prime.rl.worker", extra: list[str] | None = None) -> None:
         self.spawn(name, [sys.executable, "-m", module, "--token-file", str(self.token(name)),
-                          "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name), *self.worker_args, *(extra or [])])
+                          "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name),
+                          *self.worker_args, *(extra or [])])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -186,3 +187,12 @@ class RLCluster:
         self.stop()
 
 
+def _overrides(sets: list[str]) -> list[str]:
+    """Config fields given as "KEY=VALUE" (orchestrator_sets, trainer_sets) as the roles' options --KEY VALUE."""
+    out = []
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r}: write KEY=VALUE, e.g. async_level=2")
+        out += [f"--{key}", value]
+    return out

@@ -54,7 +54,7 @@ def run_level(level: int, policy: Path, out: Path, link: LinkProfile, budget_s: 
             f"async_level={level}", "stop_at_reward=0.95", f"seed={seed}", "eval_every=5", "lease_s=60",
             f"prompts_per_lease={prompts_per_lease}"],
             trainer_sets=["max_steps=2000", f"publish_dtype={publish_dtype}", *(trainer_sets or [])],
-            worker_args=[f"--in-flight={in_flight}"], niceness=niceness)
+            worker_args=["--in_flight", str(in_flight)], niceness=niceness)
         with cluster:
             cluster.start(WORKERS)
             started, cpu_before = time.monotonic(), _cpu_times()

@@ -3,7 +3,7 @@
 An async-k run trains, once its pipeline is full, on rollouts of the policy k versions old; how many
 versions it then needs to learn the task decides whether its faster versions reach a reward sooner
 (launch/bench/rl_async.py measures both together, over processes and an emulated WAN, and one run's
-versions to 0.9 there spreads ±30%). Here the reference loop (prime.rl.loop) generates with the policy
+versions to 0.9 there spreads ±30%). Here the reference loop (prime.rl.reference_loop) generates with the policy
 of k updates ago in one process, so the only thing that differs between staleness 0 and 2 is the age of
 the rollouts: per seed, versions to held-out reward 0.9 (evaluated every 5) for staleness 0, and for
 staleness 2 with the default (decoupled) clipping and with plain clipping around the generating version.
@@ -39,7 +39,7 @@ def versions_to(policy: str, staleness: int, decoupled: bool, seed: int, max_ver
     from prime.inference.hf_engine import load_hf_policy
     from prime.rl.environments.reverse import ReverseDigits
     from prime.rl.grpo import ENTROPY_BONUS, GRPOConfig
-    from prime.rl.loop import LoopConfig, run
+    from prime.rl.reference_loop import LoopConfig, run
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)

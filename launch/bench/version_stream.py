@@ -39,7 +39,7 @@ from elastic_mesh.control.process_tree import kill_tree
 from elastic_mesh.coordinator.run import make_token
 from launch.cluster import REPO, wait_for
 from launch.wan.harness import LinkProfile, WanTopology
-from prime.rl.policy_transport import policy_broadcast_settings, policy_chunk_bytes
+from prime.rl.transport.policy_files import policy_broadcast_settings, policy_chunk_bytes
 
 POLICY = policy_broadcast_settings(keep=2, advertise_host=None)
 
@@ -113,7 +113,7 @@ def main() -> int:
     parser.add_argument("--followers", type=int, default=3, help="followers (default 3: an orchestrator and 2 workers)")
     parser.add_argument("--payload-mb", type=float, default=1.2, help="a version's size (default 1.2: the digit policy)")
     parser.add_argument("--chunk-mb", type=float, default=None, help="chunk size, MiB (default: what an RL policy of "
-                        "--payload-mb travels in, prime.rl.policy_transport: 1/32 for 1.2 MB)")
+                        "--payload-mb travels in, prime.rl.transport.policy_files: 1/32 for 1.2 MB)")
     parser.add_argument("--follow-overlap", type=int, default=POLICY.follow_overlap,
                         help=f"versions a follower downloads at once (default {POLICY.follow_overlap}, as RL policies)")
     defaults = BroadcastSettings()

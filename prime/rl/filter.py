@@ -3,7 +3,7 @@ with the base model before training, so that RL spends no rollouts on what the p
 solves.
 
     python -m prime.rl.filter --policy DIR --tasks 512 --samples 8 --out scored.jsonl [--min-pass 0.05 --max-pass 0.95]
-                              [--set env.name=math --set env.path=problems.jsonl]
+                              [--env.name math --env.path problems.jsonl]
 
 Writes one line per task: {id, prompt, answer, pass_rate, mean_reward, kept}. With a math environment,
 --keep-out writes the kept problems as a NuminaMath-style jsonl that `env.path` can point at.
@@ -11,19 +11,19 @@ Writes one line per task: {id, prompt, answer, pass_rate, mean_reward, kept}. Wi
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from elastic_mesh import CommandLine, Flag
 from prime.inference.engine import GenerationRequest
 from prime.inference.hf_engine import HFEngine, load_hf_policy
 from prime.inference.sampling import SamplingParams
-from prime.rl.cli import load_config
 from prime.rl.environments import build_environment
 from prime.rl.environments.math_answers import MathConfig
 from prime.rl.orchestrator.config import OrchestratorConfig
@@ -47,24 +47,30 @@ def pass_rates(engine: HFEngine, tokenizer, env, tasks, samples: int, sampling: 
     return rows
 
 
+COMMAND_LINE = CommandLine(
+    "python -m prime.rl.filter",
+    "Offline difficulty filter: scores tasks by the policy's pass rate, so that RL spends no rollouts on what\n"
+    "the policy always or never solves. The task, sampling and seed are an OrchestratorConfig's.",
+    OrchestratorConfig,
+    [Flag("policy", "a local HF causal-LM directory", required=True, type=Path, metavar="DIR"),
+     Flag("tasks", "train tasks to score", type=int, default=512, metavar="N"),
+     Flag("samples", "samples per task", type=int, default=8, metavar="N"),
+     Flag("min-pass", "keep tasks whose pass rate is above this (0: drop tasks never solved)", type=float,
+          default=0.0, metavar="RATE"),
+     Flag("max-pass", "keep tasks whose pass rate is below this (1: drop tasks always solved)", type=float,
+          default=1.0, metavar="RATE"),
+     Flag("out", "jsonl of every scored task", required=True, type=Path, metavar="FILE"),
+     Flag("keep-out", "math environment: the kept problems as NuminaMath jsonl", type=Path, metavar="FILE"),
+     Flag("threads", "torch threads", type=int, default=1, metavar="N")],
+    examples=["python -m prime.rl.filter --policy DIR --tasks 512 --samples 8 --out scored.jsonl "
+              "--env.name math --env.path problems.jsonl"],
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prime.rl.filter", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, required=True, help="a local HF causal-LM directory")
-    parser.add_argument("--tasks", type=int, default=512, help="train tasks to score (default 512)")
-    parser.add_argument("--samples", type=int, default=8, help="samples per task (default 8)")
-    parser.add_argument("--min-pass", type=float, default=0.0, help="keep tasks whose pass rate is above this "
-                        "(default 0: drop tasks never solved)")
-    parser.add_argument("--max-pass", type=float, default=1.0, help="keep tasks whose pass rate is below this "
-                        "(default 1: drop tasks always solved)")
-    parser.add_argument("--out", type=Path, required=True, help="jsonl of every scored task")
-    parser.add_argument("--keep-out", type=Path, help="math environment: the kept problems as NuminaMath jsonl")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--config", type=Path, help="an OrchestratorConfig TOML (env, sampling, seed)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
-    args = parser.parse_args(argv)
+    parsed = COMMAND_LINE.parse(argv)
+    config, args = parsed.config, SimpleNamespace(**parsed.flags)
     torch.set_num_threads(args.threads)
-    config = load_config(OrchestratorConfig, args.config, args.set)
     env = build_environment(config.env, config.reward_terms)
     tokenizer = AutoTokenizer.from_pretrained(args.policy)
     engine = HFEngine(load_hf_policy(args.policy), pad_id=tokenizer.pad_token_id or 0)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from prime.inference.engine import Completion, GenerationRequest
 from prime.inference.hf_engine import HFEngine
-from prime.rl import worker
+from prime.rl.worker.__main__ import main as worker_main
 from prime.rl.policy import CHARACTERS, SPECIALS
 from prime.testing.toploc_attacks import int8_weights, prove_by_prefill
 from prime.verify.verifier import Claim
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Other arguments are the worker's (python -m prime.rl.worker --help).")
     parser.add_argument("--attack", choices=sorted(ATTACKS), required=True)
     args, rest = parser.parse_known_args(argv)
-    return worker.main(rest, tamper=ATTACKS[args.attack]())
+    return worker_main(rest, tamper=ATTACKS[args.attack]())
 
 
 if __name__ == "__main__":

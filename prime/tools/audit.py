@@ -11,7 +11,6 @@ dropped by design (fewer than seq_len + 1 per shard and pass) and counted separa
 
 from __future__ import annotations
 
-import argparse
 import sqlite3
 import sys
 from collections import defaultdict
@@ -125,29 +124,31 @@ def _count_documents(shard: Shard, tokenizer: Tokenizer, text_field: str, pass_:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Check that every document of a multi-node run entered exactly one committed outer step "
-                    "per pass (from the coordinator's data ledger).",
-        epilog="example: python -m prime.tools.audit runs/x/coordinator/coordinator.sqlite --config configs/debug.toml")
-    parser.add_argument("state", type=Path, help="the coordinator's coordinator.sqlite")
-    parser.add_argument("--config", default="configs/debug.toml", help="the run's config (for its data settings)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. data.path=/data/corpus (repeatable)")
-    args = parser.parse_args(argv)
-    if not args.state.is_file():
-        parser.error(f"{args.state} does not exist; give the coordinator's state file (STATE_DIR/coordinator.sqlite)")
-    from prime.config import load_config
+    from elastic_mesh import CommandLine, Flag, Positional
+    from prime.config import JobConfig
     from prime.data.loader import train_and_eval_files
     from prime.data.shards import make_shards
     from prime.data.tokenizer import load_tokenizer
 
-    bad = [pair for pair in args.set if "=" not in pair]
-    if bad:
-        parser.error(f"--set {bad[0]!r} needs KEY=VALUE, e.g. data.path=/data/corpus")
-    config = load_config(args.config, dict(pair.split("=", 1) for pair in args.set))
+    line = CommandLine(
+        "python -m prime.tools.audit",
+        "Check that every document of a multi-node run entered exactly one committed outer step per pass\n"
+        "(from the coordinator's data ledger). The run's config gives its data settings.",
+        JobConfig,
+        [Flag("config", "the run's config (for its data settings)", type=Path, default=Path("configs/debug.toml"),
+              metavar="FILE")],
+        positionals=[Positional("state", "the coordinator's STATE_DIR/coordinator.sqlite", type=Path)],
+        examples=["python -m prime.tools.audit runs/x/coordinator/coordinator.sqlite --config configs/debug.toml "
+                  "--data.path /data/corpus"])
+    parsed = line.parse(argv)
+    state, config = parsed.positionals["state"], parsed.config
+    if not state.is_file():
+        print(f"error: {state} does not exist; give the coordinator's state file (STATE_DIR/coordinator.sqlite)",
+              file=sys.stderr)
+        return 2
     files, _ = train_and_eval_files(config.data)
     shards = make_shards(files, config.data.parts_per_file)
-    report = audit_ledger(args.state, shards, load_tokenizer(config.data.tokenizer), config.data.text_field)
+    report = audit_ledger(state, shards, load_tokenizer(config.data.tokenizer), config.data.text_field)
     print(report.summary())
     return 0 if report.ok else 1
 

@@ -28,7 +28,8 @@ from prime.rl.environments.reverse import ReverseConfig
 from prime.rl.environments.terms import RewardTerms
 from prime.rl.grpo import GRPOConfig
 from prime.rl.orchestrator.config import OnlineFilter, OrchestratorConfig
-from prime.rl.trainer import RLTrainerConfig
+from prime.rl.trainer.config import RLTrainerConfig
+from prime.rl.worker.config import WorkerConfig
 from prime.chaos.faults import PREFIX, FaultConfig
 from prime.verify.proof import ProofSettings
 from prime.verify.thresholds import Limits, ToplocThresholds
@@ -100,18 +101,21 @@ def generate() -> str:
     out += ["### Sampling (per request, assigned by the trusted side; checked by the verifier)", "",
             (SamplingParams.__doc__ or "").strip(), ""]
     out += _table(SamplingParams, lambda name: name) + [""]
-    out += ["### RL orchestrator (`python -m prime.rl.orchestrator --set FIELD=VALUE` or `--config FILE.toml`)", "",
+    out += ["### RL orchestrator (`python -m prime.rl.orchestrator --FIELD VALUE` or `--config FILE.toml`)", "",
             (OrchestratorConfig.__doc__ or "The orchestrator's settings.").strip(), ""]
-    out += _table(OrchestratorConfig, lambda name: f"--set {name}=") + [""]
+    out += _table(OrchestratorConfig, lambda name: f"--{name}") + [""]
     for prefix, model in (("env", ReverseConfig), ("env", ReasoningGymConfig), ("env", MathConfig),
                           ("reward_terms", RewardTerms), ("filter", OnlineFilter)):
         out += [f"#### `{prefix}.*` ({model.__name__})", "", (model.__doc__ or "").strip().splitlines()[0], ""]
-        out += _table(model, lambda name, p=prefix: f"--set {p}.{name}=") + [""]
-    out += ["### RL trainer (`python -m prime.rl.trainer --set FIELD=VALUE` or `--config FILE.toml`)", "",
+        out += _table(model, lambda name, p=prefix: f"--{p}.{name}") + [""]
+    out += ["### RL trainer (`python -m prime.rl.trainer --FIELD VALUE` or `--config FILE.toml`)", "",
             (RLTrainerConfig.__doc__ or "The trainer's settings.").strip(), ""]
-    out += _table(RLTrainerConfig, lambda name: f"--set {name}=") + [""]
+    out += _table(RLTrainerConfig, lambda name: f"--{name}") + [""]
     out += ["#### `grpo.*` (GRPOConfig)", "", "The GRPO objective (the trainer) and its grouping (the loop).", ""]
-    out += _table(GRPOConfig, lambda name: f"--set grpo.{name}=") + [""]
+    out += _table(GRPOConfig, lambda name: f"--grpo.{name}") + [""]
+    out += ["### RL inference worker (`python -m prime.rl.worker --FIELD VALUE` or `--config FILE.toml`)", "",
+            (WorkerConfig.__doc__ or "").strip(), ""]
+    out += _table(WorkerConfig, lambda name: f"--{name}") + [""]
     out += ["### Fault injection (`prime.train --chaos.KEY VALUE`; tests and the chaos harness only)", "",
             (FaultConfig.__doc__ or "").strip() + " Not part of the job's config: its fingerprint and "
             "`config.json` never see these.", ""]

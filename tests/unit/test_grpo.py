@@ -102,7 +102,7 @@ def test_the_synchronous_loop_runs_generate_score_step_on_a_fresh_digit_policy(t
     from transformers import AutoTokenizer
 
     from prime.inference.hf_engine import load_hf_policy
-    from prime.rl.loop import LoopConfig, run
+    from prime.rl.reference_loop import LoopConfig, run
     from prime.rl.policy import new_digit_policy
 
     directory = new_digit_policy(tmp_path / "policy", seed=0)
@@ -153,7 +153,7 @@ def test_the_loop_at_staleness_k_generates_with_the_policy_of_k_updates_ago(tmp_
     from transformers import AutoTokenizer
 
     from prime.inference.hf_engine import load_hf_policy
-    from prime.rl.loop import LoopConfig, run
+    from prime.rl.reference_loop import LoopConfig, run
     from prime.rl.policy import new_digit_policy
 
     directory = new_digit_policy(tmp_path / "policy", seed=0)

@@ -14,7 +14,7 @@ from elastic_mesh.transfer.chunk_dir import ChunkDir
 from elastic_mesh.transfer.chunks import lay_out
 from prime.inference.hf_engine import load_hf_policy
 from prime.rl.policy import new_digit_policy
-from prime.rl.policy_transport import load_policy_version, publish_policy
+from prime.rl.transport.policy_files import load_policy_version, publish_policy
 from prime.verify.proof import ProofSettings
 from prime.verify.thresholds import Calibration, Limits, ToplocThresholds
 

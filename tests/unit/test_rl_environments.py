@@ -83,8 +83,8 @@ def test_offline_filter_scores_pass_rates_and_keeps_the_window(tmp_path, capsys)
     out = tmp_path / "scored.jsonl"
     # one-digit strings: a fresh policy solves some by chance, so every pass rate can occur
     assert offline.main(["--policy", str(policy), "--tasks", "24", "--samples", "8", "--out", str(out),
-                         "--min-pass", "0", "--max-pass", "0.5", "--set", "env.min_digits=1",
-                         "--set", "env.max_digits=1", "--set", "max_tokens=2"]) == 0
+                         "--min-pass", "0", "--max-pass", "0.5", "--env.min_digits", "1",
+                         "--env.max_digits", "1", "--max_tokens", "2"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 24 and {r["pass_rate"] * 8 for r in rows} <= set(range(9))
     assert all(r["kept"] == (0 < r["pass_rate"] < 0.5) for r in rows)
@@ -95,7 +95,7 @@ def test_offline_filter_scores_pass_rates_and_keeps_the_window(tmp_path, capsys)
                       "--keep-out", str(tmp_path / "kept.jsonl")])
 
 
-def test_offline_filter_writes_kept_math_problems_the_environment_reads_back(tmp_path):
+def test_offline_filter_writes_kept_math_problems_the_environment_reads_back(tmp_path, caplog):
     from prime.rl import filter as offline
     from prime.rl.environments.math_answers import MathAnswers
     from prime.rl.policy import new_digit_policy
@@ -105,6 +105,8 @@ def test_offline_filter_writes_kept_math_problems_the_environment_reads_back(tmp
     assert offline.main(["--policy", str(policy), "--tasks", "4", "--samples", "2", "--out", str(out),
                          "--keep-out", str(kept), "--min-pass", "-1", "--set", "env.name=math",
                          "--set", f"env.path={SAMPLE}", "--set", "max_tokens=4"]) == 0
+    # the old spelling still works for this release, and says what to write instead
+    assert "--set env.name=math is the old spelling and goes in the next release: write --env.name math" in caplog.text
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     env = MathAnswers(MathConfig(path=kept, eval_tasks=1))
     assert sorted(t.prompt for t in env.train + env.eval) == sorted(r["prompt"] for r in scored)

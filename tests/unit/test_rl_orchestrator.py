@@ -22,7 +22,7 @@ from prime.rl.orchestrator.core import Orchestrator
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.policy import new_digit_policy
 from elastic_mesh.control.http import Refused
-from prime.rl.worker import _wire
+from prime.rl.worker.session import to_wire
 from prime.testing.rogue_worker import answer_swap
 from prime.verify.thresholds import ToplocThresholds
 from prime.verify.verifier import Verifier
@@ -86,7 +86,7 @@ def _work(orchestrator: Orchestrator, versions: LocalVersions, lease: dict, tamp
     completions = engine.generate(requests)
     if tamper:
         completions = tamper(requests, completions, engine)
-    return {"lease": lease["lease"], "completions": [_wire(c, "float32") for c in completions]}
+    return {"lease": lease["lease"], "completions": [to_wire(c, "float32") for c in completions]}
 
 
 def test_leases_batches_and_returned_work(policy):

@@ -1,9 +1,9 @@
-"""How policy versions are cut for the broadcast (prime/rl/policy_transport.py)."""
+"""How policy versions are cut for the broadcast (prime/rl/transport/policy_files.py)."""
 
 from __future__ import annotations
 
 from elastic_mesh.broadcast.member import BroadcastSettings
-from prime.rl.policy_transport import (
+from prime.rl.transport.policy_files import (
     SMALL_POLICY_BYTES,
     policy_broadcast_settings,
     prune_policies,

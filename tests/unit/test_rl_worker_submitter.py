@@ -14,7 +14,8 @@ from elastic_mesh.control.client import CoordinatorClient
 from elastic_mesh.control.token import read_token
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 from elastic_mesh.control.http import JsonServer, Refused, TokenCheck
-from prime.rl.worker import EXIT_EVICTED, Submitter, WorkerClock
+from prime.rl.worker.clock import WorkerClock
+from prime.rl.worker.session import EXIT_EVICTED, Submitter
 
 
 class SlowVerification:
@@ -55,7 +56,7 @@ def orchestrator(tmp_path):
 
 
 def _clock(tmp_path) -> WorkerClock:
-    held = SimpleNamespace(lock=threading.Lock(), announced_at={}, fetched_at={}, loaded_at={})  # no policy needed
+    held = SimpleNamespace(times=lambda: {"announced_at": {}, "fetched_at": {}, "loaded_at": {}})  # no policy needed
     return WorkerClock(tmp_path / "worker.json", held)
 
 

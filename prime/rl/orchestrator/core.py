@@ -42,7 +42,7 @@ from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.records import Counters, Group, Lease, Prompt, WorkerStats
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
-from prime.rl.orchestrator.versions import PolicyVersions
+from prime.rl.orchestrator.versions import VerifiedVersions
 from elastic_mesh.control.http import Refused
 from prime.verify.verifier import Claim
 
@@ -54,7 +54,7 @@ MAX_BATCHES_KEPT = 64
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, env: Environment, versions: PolicyVersions,
+    def __init__(self, config: OrchestratorConfig, env: Environment, versions: VerifiedVersions,
                  record=lambda event: None, store: RunStore | None = None) -> None:
         self.config, self.env, self.versions, self.record = config, env, versions, record
         self.store = store or RunStore(None)

@@ -1,5 +1,6 @@
-"""GRPO in one process, synchronously (async level 0): generate G completions per prompt with the
-seeded engine, score them with the environment's verifier, normalise within groups, take one step.
+"""The reference loop: GRPO in one process, synchronously (async level 0): generate G completions per
+prompt with the seeded engine, score them with the environment's verifier, normalise within groups, take
+one step.
 
 The distributed roles (orchestrator, trainer, inference workers) are built from the same pieces; this
 loop is the reference they are measured against and a way to debug a task on one machine. With
@@ -23,6 +24,7 @@ from prime.inference.engine import GenerationRequest
 from prime.inference.hf_engine import HFEngine
 from prime.inference.sampling import SamplingParams
 from prime.rl.environments.base import Environment, Task
+from prime.rl.environments.evaluation import decode, evaluate
 from prime.rl.grpo import ENTROPY_BONUS, GRPOConfig, group_advantages
 from prime.rl.update import Row, policy_update
 
@@ -54,10 +56,6 @@ class Scored:
     reward: float
 
 
-def decode(tokenizer, tokens: list[int]) -> str:
-    return tokenizer.decode(tokens, skip_special_tokens=True)
-
-
 def generate_scored(engine: HFEngine, env: Environment, tokenizer, tasks: list[Task], group: int,
                     sampling: SamplingParams, rng: random.Random) -> list[list[Scored]]:
     """G completions per task, each with its own seed, scored by the environment."""
@@ -67,14 +65,6 @@ def generate_scored(engine: HFEngine, env: Environment, tokenizer, tasks: list[T
     scored = [Scored(tasks[i // group], r.prompt, c.tokens, c.logprobs, env.reward(tasks[i // group], decode(tokenizer, c.tokens)))
               for i, (r, c) in enumerate(zip(requests, completions))]
     return [scored[i:i + group] for i in range(0, len(scored), group)]
-
-
-def evaluate(engine: HFEngine, env: Environment, tokenizer, tasks: list[Task], max_tokens: int) -> float:
-    """Mean reward of greedy completions on held-out tasks."""
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    requests = [GenerationRequest(tokenizer.encode(t.prompt, add_special_tokens=False), 0, sampling) for t in tasks]
-    completions = engine.generate(requests)
-    return sum(env.reward(t, decode(tokenizer, c.tokens)) for t, c in zip(tasks, completions)) / len(tasks)
 
 
 def rows_of(groups: list[list[Scored]], config: GRPOConfig) -> tuple[list[Row], dict[str, float]]:

@@ -1,0 +1,32 @@
+"""The run token every RL role starts with, given on the command line or in a file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from elastic_mesh import Flag
+
+TOKEN_FLAGS = [
+    Flag("token", "a run token (python -m elastic_mesh.coordinator token create)", metavar="TOKEN"),
+    Flag("token-file", "read the token from this file instead (keeps it out of the process list)", type=Path,
+         metavar="FILE"),
+]
+
+
+def token_of(flags: dict) -> str:
+    """The token of --token-file or --token; exits 2 naming both when neither was given."""
+    if flags.get("token_file"):
+        try:
+            return Path(flags["token_file"]).read_text().strip()
+        except OSError as e:
+            _exit(f"--token-file {flags['token_file']}: {e.strerror}")
+    if flags.get("token"):
+        return str(flags["token"]).strip()
+    _exit("a run token is needed: --token TOKEN or --token-file FILE (from `python -m elastic_mesh.coordinator "
+          "token create`)")
+
+
+def _exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
