@@ -16,9 +16,9 @@ the field and the fix, and is one kind (ConfigError; parse() turns it into exit 
 
 from __future__ import annotations
 
-import glob
 import logging
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -221,9 +221,9 @@ class CommandLine:
             head = f"--{f.name}" if f.switch else f"--{f.name} {f.metavar}"
             extra = f" (one of {', '.join(f.choices)})" if f.choices else ""
             default = f" (default {f.default})" if f.default not in (None, False, "") else ""
-            lines.append(f"  {head:24s} {f.help}{extra}{default}")
+            lines.append(_wrapped(f"  {head:24s} {f.help}{extra}{default}"))
         for p in self.positionals:
-            lines.append(f"  {p.name:24s} {p.help}")
+            lines.append(_wrapped(f"  {p.name:24s} {p.help}"))
         lines.append("  -h, --help               this text")
         if self.notes:
             lines += ["", self.notes.strip()]
@@ -233,6 +233,38 @@ class CommandLine:
         for prefix, model in self.sections.items():
             lines += ["", f"{prefix} ({model.__doc__.strip().splitlines()[0] if model.__doc__ else model.__name__}):",
                       *describe_fields(model, f"{prefix}.")]
+        return "\n".join(lines)
+
+
+class Commands:
+    """An entry point of several commands (`serve`, `token create`, ...), each a CommandLine (or a
+    Commands of its own) whose prog names the command."""
+
+    def __init__(self, prog: str, summary: str, commands: dict[str, "CommandLine | Commands"]) -> None:
+        self.prog, self.summary, self.commands = prog, summary, dict(commands)
+
+    def parse(self, argv: Sequence[str] | None = None) -> tuple[list[str], Parsed]:
+        """(the command's words, what its CommandLine parsed); help and errors as CommandLine.parse."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if not argv or argv[0] in ("-h", "--help"):
+            print(self.help())
+            raise SystemExit(0 if argv else 2)
+        name, rest = argv[0], argv[1:]
+        command = self.commands.get(name)
+        if command is None:
+            print(f"{self.prog}: error: unknown command {name!r}; the commands are {', '.join(self.commands)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        if isinstance(command, Commands):
+            words, parsed = command.parse(rest)
+            return [name, *words], parsed
+        return [name], command.parse(rest)
+
+    def help(self) -> str:
+        lines = [f"usage: {self.prog} {{{','.join(self.commands)}}} ...", "", self.summary, "", "commands:"]
+        for name, command in self.commands.items():
+            lines.append(f"  {name:24s} {command.summary.splitlines()[0]}")
+        lines.append(f"\n{self.prog} COMMAND --help: that command's options")
         return "\n".join(lines)
 
 
@@ -307,13 +339,12 @@ def describe_fields(schema: type[BaseModel], prefix: str = "") -> list[str]:
             lines.extend(describe_fields(annotation, f"{prefix}{name}."))
         else:
             default = info.default if info.default_factory is None else info.default_factory()
-            lines.append(f"  --{prefix}{name} (default {default!r}): {info.description or ''}")
+            lines.append(_wrapped(f"  --{prefix}{name} (default {default!r}): {info.description or ''}"))
     return lines
 
 
-def path_exists(pattern: str) -> bool:
-    """A file, directory or glob that matches something (paths in configs are checked with it)."""
-    return Path(pattern).expanduser().exists() or bool(glob.glob(str(Path(pattern).expanduser())))
+def _wrapped(line: str, width: int = 110) -> str:
+    return textwrap.fill(line, width, subsequent_indent=" " * 27, break_on_hyphens=False)
 
 
 def _norm(name: str) -> str:

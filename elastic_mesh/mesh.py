@@ -12,9 +12,10 @@ import copy
 import hashlib
 import json
 import logging
+import math
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,11 +32,13 @@ from elastic_mesh.control.lifeline import LifeLine
 from elastic_mesh.control.store import CoordinatorStore
 from elastic_mesh.control.tls import MemberIdentity
 from elastic_mesh.rounds.plan import RoundClient, RoundPlan
-from elastic_mesh.transfer.chunks import TransferError
+from elastic_mesh.transfer.chunks import Chunked, Deferred, TransferError
 from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport
 from elastic_mesh.transfer.server import ChunkServer
+from elastic_mesh.wire.codecs import codec_for
+from elastic_mesh.wire.collectives import AllReduceResult, all_reduce_mean
 from elastic_mesh.wire.socket_pacing import GroupSockets, NewConnections
-from elastic_mesh.wire.topology import LinkEstimates
+from elastic_mesh.wire.topology import LinkEstimates, describe_ring
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +278,31 @@ class ElasticDeviceMesh:
             log.debug("global group of local rank %d for epoch %d: rank %d of %d, %d stream(s) per peer",
                       self.local_rank, plan.epoch, plan.rank, plan.world_size, len(groups))
         return groups
+
+    def serve(self, kind: str, version: int, tensors: dict[str, torch.Tensor], meta: dict | None = None,
+              transform: Callable[[Chunked], Chunked] | None = None) -> None:
+        """Serves `tensors` to peers as `version` of `kind` (one of the kinds this node serves), laid out
+        and hashed when a peer first asks (transfer/chunks.py's Deferred: copies that nothing writes
+        again). transform: rewrites the laid-out bytes once (where a fault injector corrupts them)."""
+        self.server.publish(Deferred(version, tensors, meta, self.config.snapshot_chunk_bytes, transform), kind)
+
+    def all_reduce(self, plan: RoundPlan, x: torch.Tensor, compression: str, *, valid: bool = True,
+                   outlier_factor: float = math.inf, on_phase: Callable[[str], None] | None = None,
+                   spread_s: float | None = None, finish_s: float | None = None) -> AllReduceResult:
+        """The mean of `x` over the plan's contributors, on this local rank's global group(s), compressed
+        with `compression` (wire/codecs.py); the ring follows the measured links (mesh.ring_order) and a
+        paced one has the kernel pace its sockets too (mesh.kernel_pacing). See
+        wire/collectives.all_reduce_mean for valid, outlier_factor, on_phase, spread_s and finish_s.
+        Raises CollectiveError (a RuntimeError) when a peer dies, stalls or sends bad data."""
+        names = [m["name"] for m in plan.members]
+        result = all_reduce_mean(self.group(plan), x, codec_for(compression), plan.contributes, valid=valid,
+                                 outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
+                                 links=self.links if self.config.ring_order == "measured" else None,
+                                 spread_s=spread_s, finish_s=finish_s,
+                                 sockets=self.group_sockets(plan.epoch) if self.config.kernel_pacing else None)
+        if result.ring_changed and self.local_rank == 0:
+            log.info("%s: the all-reduce ring is now %s", self.name, describe_ring(result.ring, result.rates, names))
+        return result
 
     def group_sockets(self, epoch: int) -> list[GroupSockets | None]:
         """The TCP connections of each of the epoch's groups, where they could be found (for kernel pacing)."""

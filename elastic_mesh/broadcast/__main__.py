@@ -10,7 +10,6 @@ Tokens come from `python -m elastic_mesh.coordinator token create` (a publisher'
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -18,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from tqdm import tqdm
 
@@ -27,62 +27,55 @@ from elastic_mesh.broadcast.member import (
     BroadcastSettings,
 )
 from elastic_mesh.broadcast.payload import files_as_tensors, write_files
+from elastic_mesh.cli import CommandLine, Commands, Flag, Positional
 from elastic_mesh.control.token import TokenError
 
 log = logging.getLogger("elastic_mesh.broadcast")
 
 
-def _settings_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("member settings")
-    for name, field in BroadcastSettings.model_fields.items():
-        kind = str if field.annotation not in (int, float) else field.annotation
-        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
-                           help=f"{field.description} (default {field.default})")
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", required=True, help="a join token of the run (worker or node role)")
-    parser.add_argument("--kind", default="policy", help="what is broadcast, e.g. policy (default policy)")
-    parser.add_argument("--report", type=Path, default=None, help="write what happened here as JSON")
-    parser.add_argument("--verbose", action="store_true", help="log every chunk (where from, how long)")
-    _settings_flags(parser)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m elastic_mesh.broadcast", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    publish = sub.add_parser("publish", help="publish files as a new version and serve them",
-                             epilog="example: python -m elastic_mesh.broadcast publish --token T --kind policy "
-                                    "--version 3 ckpt/")
-    _common(publish)
-    publish.add_argument("--version", type=int, required=True, help="version number; must exceed every earlier one")
-    publish.add_argument("paths", nargs="+", type=Path, help="files or folders (a folder: every file under it)")
-    publish.add_argument("--serve-s", type=float, default=None, help="stop serving after this many seconds "
-                         "(default: until Ctrl-C, or --until-copies)")
-    publish.add_argument("--until-copies", type=int, default=None,
-                         help="stop once this many other members hold a complete verified copy")
-    fetch = sub.add_parser("fetch", help="fetch a version (default the newest), verified, and write its files",
-                           epilog="example: python -m elastic_mesh.broadcast fetch --token T --kind policy --out policy/")
-    _common(fetch)
-    fetch.add_argument("--version", type=int, default=None, help="default: the newest")
-    fetch.add_argument("--out", type=Path, default=None, help="write the version's files here")
-    fetch.add_argument("--work-dir", type=Path, default=Path(".broadcast"),
-                       help="verified chunks (a restarted fetch resumes from them); default .broadcast")
-    fetch.add_argument("--wait-s", type=float, default=0.0,
-                       help="wait this long for a version to be published (default: fail at once if none)")
-    fetch.add_argument("--serve-s", type=float, default=0.0, help="keep serving this long after the fetch")
-    fetch.add_argument("--no-serve", action="store_true", help="fetch without relaying (measurements only)")
-    fetch.add_argument("--origin-only", action="store_true", help="fetch from publishers only (measurements only)")
-    fetch.add_argument("--from", dest="sources", default=None,
-                       help="comma-separated host:port: fetch from these only (measurements of fixed trees)")
-    relay = sub.add_parser("relay", help="fetch every new version as it is published and serve it",
-                           epilog="example: python -m elastic_mesh.broadcast relay --token T --kind policy "
-                                  "--work-dir relay/ --keep 2")
-    _common(relay)
-    relay.add_argument("--work-dir", type=Path, default=Path(".broadcast-relay"))
-    relay.add_argument("--origin-only", action="store_true", help="fetch from publishers only (a fixed tree's "
-                       "first level, for measurements)")
-    return parser
+PROG = "python -m elastic_mesh.broadcast"
+_COMMON = [
+    Flag("token", "a join token of the run (worker or node role)", required=True, metavar="TOKEN"),
+    Flag("kind", "what is broadcast, e.g. policy", default="policy", metavar="KIND"),
+    Flag("report", "write what happened here as JSON", type=Path, metavar="FILE"),
+    Flag("verbose", "log every chunk (where from, how long)", switch=True),
+]
+_ORIGIN_ONLY = Flag("origin-only", "fetch from publishers only (a fixed tree's first level; measurements only)",
+                    switch=True)
+COMMANDS = Commands(PROG, __doc__.split("\n\n")[0], {
+    "publish": CommandLine(
+        f"{PROG} publish", "Publish files as a new version and serve them.", BroadcastSettings,
+        [*_COMMON,
+         Flag("version", "version number; must exceed every earlier one", required=True, type=int, metavar="N"),
+         Flag("serve-s", "stop serving after this many seconds (default: until Ctrl-C, or --until-copies)",
+              type=float, metavar="SECONDS"),
+         Flag("until-copies", "stop once this many other members hold a complete verified copy", type=int,
+              metavar="N")],
+        positionals=[Positional("paths", "files or folders (a folder: every file under it)", many=True, type=Path)],
+        examples=[f"{PROG} publish --token T --kind policy --version 3 ckpt/"]),
+    "fetch": CommandLine(
+        f"{PROG} fetch", "Fetch a version (default the newest), verified, and write its files.", BroadcastSettings,
+        [*_COMMON,
+         Flag("version", "default: the newest", type=int, metavar="N"),
+         Flag("out", "write the version's files here", type=Path, metavar="DIR"),
+         Flag("work-dir", "verified chunks (a restarted fetch resumes from them)", type=Path,
+              default=Path(".broadcast"), metavar="DIR"),
+         Flag("wait-s", "wait this long for a version to be published (0: fail at once if none)", type=float,
+              default=0.0, metavar="SECONDS"),
+         Flag("serve-s", "keep serving this long after the fetch", type=float, default=0.0, metavar="SECONDS"),
+         Flag("no-serve", "fetch without relaying (measurements only)", switch=True),
+         _ORIGIN_ONLY,
+         Flag("from", "comma-separated host:port: fetch from these only (measurements of fixed trees)",
+              metavar="SOURCES")],
+        examples=[f"{PROG} fetch --token T --kind policy --out policy/"]),
+    "relay": CommandLine(
+        f"{PROG} relay", "Fetch every new version as it is published and serve it.", BroadcastSettings,
+        [*_COMMON,
+         Flag("work-dir", "verified chunks of the versions kept", type=Path, default=Path(".broadcast-relay"),
+              metavar="DIR"),
+         _ORIGIN_ONLY],
+        examples=[f"{PROG} relay --token T --kind policy --work-dir relay/ --keep 2"]),
+})
 
 
 def _progress_bar(kind: str):
@@ -96,17 +89,14 @@ def _progress_bar(kind: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    words, parsed = COMMANDS.parse(argv)
+    args = SimpleNamespace(command=words[0], **parsed.flags, **parsed.positionals)
+    settings = parsed.config
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s.%(msecs)03d [broadcast] %(message)s", datefmt="%H:%M:%S")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        settings = BroadcastSettings(**{k: getattr(args, k) for k in BroadcastSettings.model_fields})
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     work = getattr(args, "work_dir", None) or Path(".broadcast-publish")
     progress, bar = _progress_bar(args.kind) if args.command == "fetch" else (None, [])
     member = None
@@ -160,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 def _restriction(args):
     if getattr(args, "origin_only", False):
         return lambda h: h["origin"]
-    if getattr(args, "sources", None):
-        allowed = set(args.sources.split(","))
+    if getattr(args, "from", None):
+        allowed = set(getattr(args, "from").split(","))
         return lambda h: h["address"] in allowed
     return None
 

@@ -46,6 +46,12 @@ class TokenCheck:
         self._cache: dict[tuple[str, bool], tuple[JoinToken, float]] = {}
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_token(cls, token: str, recheck_s: float = 30.0) -> "TokenCheck":
+        """Checks tokens of the run, with the coordinator and certificate this process's own token names."""
+        facts = read_token(token)
+        return cls(facts.coordinator, facts.run_id, recheck_s, facts.tls_fp)
+
     def __call__(self, authorization: str, read_only: bool = False) -> JoinToken:
         if not authorization.startswith("Bearer "):
             raise Refused(401, "no token: send the run token this process was given as 'Authorization: Bearer'")

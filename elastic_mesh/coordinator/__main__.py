@@ -8,14 +8,15 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
+from elastic_mesh.cli import CommandLine, Commands, Flag, Positional
 from elastic_mesh.control.token import ROLES, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import (
@@ -26,66 +27,63 @@ from elastic_mesh.coordinator.run import (
 )
 
 
-def _duration(text: str) -> float:
+def duration(text: str) -> float:
+    """Seconds of a duration written as 90s, 30m, 24h or 7d (a bare number: seconds)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
     if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 90s, 30m, 24h or 7d")
+        raise ValueError(f"{text!r} is not a duration; write e.g. 90s, 30m, 24h or 7d")
     return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
+STATE_DIR = Flag("state-dir", "SQLite state and the run secret live here", required=True, metavar="DIR")
+PROG = "python -m elastic_mesh.coordinator"
+COMMANDS = Commands(PROG, "The coordinator of a prime run, and its join tokens.", {
+    "serve": CommandLine(
+        f"{PROG} serve", "Run the coordinator.", CoordinatorConfig,
+        [STATE_DIR,
+         Flag("host", "address to listen on", default="0.0.0.0", metavar="HOST"),
+         Flag("port", "port (0: any free port; see STATE_DIR/address)", type=int, default=29400, metavar="PORT"),
+         Flag("advertise", "host:port that nodes use to reach this coordinator", metavar="HOST:PORT"),
+         Flag("run-id", "name of the run (default: a new random one)", metavar="NAME"),
+         Flag("tls", "serve HTTPS with the run's own certificate, which join tokens pin (made in STATE_DIR on first "
+                     "use; nodes' snapshot and broadcast servers get certificates from it at join). auto: on unless "
+                     "the advertised address is loopback", choices=("auto", "on", "off"), default="auto",
+              metavar="auto|on|off")],
+        examples=[f"{PROG} serve --port 29400 --state-dir coord/ --lease_s 10"]),
+    "token": Commands(f"{PROG} token", "Join tokens: create, list, revoke.", {
+        "create": CommandLine(
+            f"{PROG} token create", "Print a new join token.", None,
+            [STATE_DIR,
+             Flag("ttl", "lifetime, e.g. 30m, 24h", type=duration, default=duration("24h"), metavar="DURATION"),
+             Flag("address", "coordinator host:port to put in the token (default: what the running coordinator "
+                             "advertises)", metavar="HOST:PORT"),
+             Flag("role", "node: joins as a training node; worker: an inference worker; observer: reads the status "
+                          "and dashboard only", choices=ROLES, default="node", metavar="ROLE"),
+             Flag("max-nodes", "live nodes this token may admit at once (1: one token per contributor; a hash backed "
+                               "by several nodes of one token counts once at commit); for a worker token, the "
+                               "broadcast members that may serve with it at once", type=int, default=1, metavar="N"),
+             Flag("publish", "may publish broadcast versions (python -m elastic_mesh.broadcast publish); not for "
+                             "observer tokens", switch=True)],
+            examples=[f"{PROG} token create --state-dir coord/ --ttl 24h"]),
+        "revoke": CommandLine(
+            f"{PROG} token revoke", "Revoke a token at once: refused from now on, and the nodes it admitted are "
+                                    "dropped.", None, [STATE_DIR],
+            positionals=[Positional("token_id", "the id `token create` printed (or `token list` shows)")],
+            examples=[f"{PROG} token revoke 3f9a0c1d2e4b5a69 --state-dir coord/"]),
+        "list": CommandLine(f"{PROG} token list", "The run's tokens: id, role, cap, expiry, revoked.", None,
+                            [STATE_DIR]),
+    }),
+})
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elastic_mesh.coordinator",
-                                     description="The coordinator of a prime run, and its join tokens.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the coordinator",
-                           epilog="example: python -m elastic_mesh.coordinator serve --port 29400 --state-dir coord/")
-    serve.add_argument("--state-dir", required=True, help="SQLite state and the run secret live here")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    serve.add_argument("--port", type=int, default=29400, help="port (0: any free port; see STATE_DIR/address)")
-    serve.add_argument("--advertise", default=None, help="host:port that nodes use to reach this coordinator")
-    serve.add_argument("--run-id", default=None, help="name of the run (default: a new random one)")
-    serve.add_argument("--tls", choices=("auto", "on", "off"), default="auto",
-                       help="serve HTTPS with the run's own certificate, which join tokens pin (made in "
-                            "STATE_DIR on first use; nodes' snapshot and broadcast servers get certificates "
-                            "from it at join). auto (default): on unless the advertised address is loopback")
-    for name, field in CoordinatorConfig.model_fields.items():
-        if isinstance(field.default, bool):
-            serve.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=field.description)
-        else:
-            serve.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default,
-                               help=f"{field.description} (default {field.default})")
-    token = sub.add_parser("token", help="join tokens")
-    token_sub = token.add_subparsers(dest="token_command", required=True)
-    create = token_sub.add_parser("create", help="print a new join token",
-                                  epilog="example: python -m elastic_mesh.coordinator token create --state-dir coord/ --ttl 24h")
-    create.add_argument("--state-dir", required=True)
-    create.add_argument("--ttl", type=_duration, default=_duration("24h"), help="lifetime, e.g. 30m, 24h (default 24h)")
-    create.add_argument("--address", default=None, help="coordinator host:port to put in the token "
-                                                         "(default: what the running coordinator advertises)")
-    create.add_argument("--role", choices=ROLES, default="node",
-                        help="node: joins as a training node; worker: an inference worker; observer: reads the "
-                             "status and dashboard only (default node)")
-    create.add_argument("--max-nodes", type=int, default=1,
-                        help="live nodes this token may admit at once (default 1: one token per contributor; "
-                             "a hash backed by several nodes of one token counts once at commit); for a worker "
-                             "token, the broadcast members that may serve with it at once")
-    create.add_argument("--publish", action="store_true",
-                        help="may publish broadcast versions (python -m elastic_mesh.broadcast publish); "
-                             "not for observer tokens")
-    revoke = token_sub.add_parser("revoke", help="revoke a token at once: refused from now on, and the nodes "
-                                                 "it admitted are dropped",
-                                  epilog="example: python -m elastic_mesh.coordinator token revoke 3f9a0c1d2e4b5a69 "
-                                         "--state-dir coord/")
-    revoke.add_argument("token_id", help="the id `token create` printed (or `token list` shows)")
-    revoke.add_argument("--state-dir", required=True)
-    listing = token_sub.add_parser("list", help="the run's tokens: id, role, cap, expiry, revoked")
-    listing.add_argument("--state-dir", required=True)
-    args = parser.parse_args(argv)
+    words, parsed = COMMANDS.parse(argv)
+    args = SimpleNamespace(**parsed.flags, **parsed.positionals)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [coordinator] %(message)s", datefmt="%H:%M:%S")
 
-    if args.command == "token":
+    if words[0] == "token":
         try:
-            if args.token_command == "create":
+            if words[1] == "create":
                 text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes,
                                   args.publish)
                 token = read_token(text)
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}"
                       + (", may publish broadcasts" if token.publish else ""), file=sys.stderr)
                 print(text)
-            elif args.token_command == "revoke":
+            elif words[1] == "revoke":
                 revoke_token(args.state_dir, args.token_id)
                 print(f"token {args.token_id} revoked; the nodes it admitted are dropped at their next request",
                       file=sys.stderr)
@@ -107,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    config = CoordinatorConfig(**{k: getattr(args, k) for k in CoordinatorConfig.model_fields})
-    server = start_coordinator(args.state_dir, args.host, args.port, config, args.advertise, args.run_id,
+    server = start_coordinator(args.state_dir, args.host, args.port, parsed.config, args.advertise, args.run_id,
                                tls={"auto": None, "on": True, "off": False}[args.tls])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from elastic_mesh.wire.codecs import BLOCK, Codec
+from elastic_mesh.wire.codecs import BLOCK, Codec, codec_for
 from elastic_mesh.wire.pacing import (
     MAX_SPREAD_S,
     MIN_SPREAD_S,
@@ -74,8 +74,10 @@ class AllReduceResult:
     kernel_paced: int = 0  # connections the kernel paced as well as the token bucket (socket_pacing.py)
 
 
-def decode_wire(wire: torch.Tensor, codec: Codec, layout: list[list[int]]) -> torch.Tensor:
-    """The mean an all-reduce produced, from its `wire` bytes (what each member computed, bit for bit)."""
+def decode_wire(wire: torch.Tensor, codec: Codec | str, layout: list[list[int]]) -> torch.Tensor:
+    """The mean an all-reduce produced, from its `wire` bytes (what each member computed, bit for bit).
+    codec: the one it was encoded with, or its name."""
+    codec = codec_for(codec) if isinstance(codec, str) else codec
     out, offset = [], 0
     for chunk, elements, world in layout:
         encoded = codec.encoded_size(chunk)

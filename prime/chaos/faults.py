@@ -19,8 +19,7 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_mesh.control.process_tree import kill_tree
-from elastic_mesh.transfer.chunks import Chunked
+from elastic_mesh import Chunked, kill_tree
 
 log = logging.getLogger(__name__)
 

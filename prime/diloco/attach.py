@@ -11,7 +11,7 @@ from elastic_mesh import ElasticDeviceMesh, MeshConfig, node_hash
 from prime.data.shards import data_fingerprint, make_shards
 from prime.diloco.config import DilocoConfig
 from prime.diloco.faults import OuterStepFaults
-from prime.diloco.hook import DilocoHook
+from prime.diloco.hook import build_outer_loop
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
 from prime.pretrain.trainer import RunMembership, Trainer
 
@@ -76,8 +76,7 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
     # and the averaged updates of the last mesh.snapshot_keep, which a node a few steps behind replays.
     serves = {"snapshot": 2, "update": mesh_config.snapshot_keep, "inner": 2}
     mesh = ElasticDeviceMesh(mesh_config, token, facts, serves)
-    hook = DilocoHook(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults)
-    hook.outer_step = restored_step
+    hook = build_outer_loop(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults, restored_step)
     worker = dist.get_rank()
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     trainer.join_run(RunMembership(

@@ -2,7 +2,7 @@
 away, or diverged) reaches the run's newest committed step from its peers' snapshot servers, with
 nobody waiting for it: it replays the averaged updates of the steps it missed, or fetches a whole
 snapshot when it holds nothing usable, and checks the result against the hashes the coordinator
-committed. DilocoHook (prime/diloco/hook.py) holds one and hands it what it needs."""
+committed. DilocoReplica (prime/diloco/replica.py) holds one and hands it what it needs."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_mesh.mesh import ElasticDeviceMesh, node_hash
-from elastic_mesh.transfer.chunks import TransferError
-from elastic_mesh.wire.codecs import codec_for
-from elastic_mesh.wire.collectives import decode_wire
+from elastic_mesh import ElasticDeviceMesh, TransferError, decode_wire, node_hash
 from prime.core.optim import bound_first_moment, load_adam_state
 from prime.diloco.config import DilocoConfig
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
@@ -191,7 +188,7 @@ class CatchUp:
                 lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
             meta = manifest["meta"]
             mean = tensors["mean"] if "mean" in tensors else decode_wire(
-                tensors["wire"], codec_for(meta["codec"]), meta["layout"])
+                tensors["wire"], meta["codec"], meta["layout"])
             self.outer.apply(mean, meta.get("fragment"))  # the model gets the result once caught up
             self.outer_step = step
         self._check_hash(target, sources)

@@ -14,16 +14,7 @@ from typing import Callable
 
 import torch
 
-from elastic_mesh.control.client import CoordinatorError
-from elastic_mesh.mesh import ElasticDeviceMesh
-from elastic_mesh.rounds.plan import RoundPlan
-from elastic_mesh.wire.codecs import Codec
-from elastic_mesh.wire.collectives import (
-    AllReduceResult,
-    CollectiveError,
-    all_reduce_mean,
-)
-from elastic_mesh.wire.topology import describe_ring
+from elastic_mesh import AllReduceResult, CoordinatorError, ElasticDeviceMesh, RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +149,7 @@ class StepClock:
         return steps * statistics.median(self._intervals)
 
 
-def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict], codec: Codec,
+def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict], compression: str,
              outlier_factor: float, on_phase: Callable[[str], None] | None = None,
              contributes: bool = True, pace: Pace | None = None) -> Exchange:
     """Takes part in outer step `step` until the coordinator applies it (after an abort the same
@@ -193,24 +184,17 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
         result, ok, blame = None, True, []
         try:
             if not mesh.agree(True):
-                raise CollectiveError("another local rank failed before the transfer", "start")
-            pg = mesh.group(plan)
+                raise RuntimeError("another local rank failed before the transfer")
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))
-            names = [m["name"] for m in plan.members]
             # A retry, or a plan that came late, may have less time left than the spread: it spreads
             # over what remains (a spread too short to pace is ignored by the all-reduce's agreement).
             finish_s = spread_s = None
             if pace is not None:
                 finish_s = pace.finish_by - time.monotonic()
                 spread_s = min(pace.spread_s, finish_s)
-            result = all_reduce_mean(pg, pseudo, codec, plan.contributes, valid=valid,
-                                     outlier_factor=outlier_factor, on_phase=on_phase, peers=names,
-                                     links=mesh.links if mesh.config.ring_order == "measured" else None,
-                                     spread_s=spread_s, finish_s=finish_s,
-                                     sockets=mesh.group_sockets(plan.epoch) if mesh.config.kernel_pacing else None)
-            if result.ring_changed and mesh.local_rank == 0:
-                log.info("%s: the all-reduce ring is now %s", mesh.name, describe_ring(result.ring, result.rates, names))
-        except (CollectiveError, CoordinatorError, RuntimeError) as e:
+            result = mesh.all_reduce(plan, pseudo, compression, valid=valid, outlier_factor=outlier_factor,
+                                     on_phase=on_phase, spread_s=spread_s, finish_s=finish_s)
+        except RuntimeError as e:  # a failed transfer (CollectiveError), the coordinator's refusal, Gloo's own
             ok, blame = False, getattr(e, "blame", [])
             log.warning("%s: outer step %d attempt %d failed: %s", mesh.name, step, plan.attempt,
                         str(e).splitlines()[0][:200])

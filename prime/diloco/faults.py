@@ -8,7 +8,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from elastic_mesh.transfer.chunks import Chunked
+from elastic_mesh import Chunked
 
 
 class OuterStepFaults(Protocol):

@@ -4,13 +4,15 @@ metrics: PretrainConfig). A multi-node job adds its own sections on top (prime/c
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from elastic_mesh import ConfigError, path_exists
+from elastic_mesh import ConfigError
 from prime.core.checkpoint import CheckpointConfig
 from prime.core.metrics import MetricsConfig
 from prime.core.model import ModelConfig
@@ -71,7 +73,7 @@ class PretrainConfig(BaseModel):
         if self.data.source == "hub" and not self.data.hub_name:
             raise ValueError("data.source = 'hub' needs data.hub_name, e.g. 'HuggingFaceFW/fineweb-edu'")
         for name, value in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path)):
-            if self.data.source == "files" and value and not path_exists(value):
+            if self.data.source == "files" and value and not _exists(value):
                 raise ValueError(f"{name} {value!r} does not exist; point it at a file, directory or glob of data")
         return self
 
@@ -99,3 +101,7 @@ class PretrainConfig(BaseModel):
         blob = json.dumps({"model": self.model.model_dump(), "seq_len": self.train.seq_len,
                            "tokenizer": self.data.tokenizer, "seed": self.train.seed}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _exists(pattern: str) -> bool:
+    return Path(pattern).expanduser().exists() or bool(glob.glob(str(Path(pattern).expanduser())))

@@ -54,7 +54,7 @@ class AuditReport:
 
 def audit_ledger(state: Path, shards: list[Shard], tokenizer: Tokenizer, text_field: str = "text") -> AuditReport:
     """Audits the committed ranges in a coordinator's state file (read-only: the run may still be going)."""
-    from elastic_mesh.coordinator.leases import WorkLedger
+    from elastic_mesh import WorkLedger
 
     db = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
     try:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from elastic_mesh.broadcast.member import BroadcastSettings
-from elastic_mesh.coordinator.config import CoordinatorConfig
+from elastic_mesh import BroadcastSettings, CoordinatorConfig
 from prime.config import JobConfig
 from prime.inference.sampling import SamplingParams
 from prime.rl.environments.math_answers import MathConfig
@@ -84,10 +83,10 @@ def generate() -> str:
                     f" `--{section} VALUE`)", ""]
     out += ["### Coordinator (`python -m elastic_mesh.coordinator serve`)", "",
             (CoordinatorConfig.__doc__ or "").strip(), ""]
-    out += _table(CoordinatorConfig, lambda name: "--" + name.replace("_", "-")) + [""]
+    out += _table(CoordinatorConfig, lambda name: f"--{name}") + [""]
     out += ["### Broadcast members (`python -m elastic_mesh.broadcast {publish,fetch,relay}`)", "",
             (BroadcastSettings.__doc__ or "").strip(), ""]
-    out += _table(BroadcastSettings, lambda name: "--" + name.replace("_", "-")) + [""]
+    out += _table(BroadcastSettings, lambda name: f"--{name}") + [""]
     out += ["### TOPLOC thresholds (`<model dir>/toploc.json`, written by `python -m prime.verify.calibrate`)", "",
             (ToplocThresholds.__doc__ or "").strip() + " Measured, never edited by hand: the calibration "
             "records its honest maxima, margin and conditions beside them.", ""]

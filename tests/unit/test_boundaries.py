@@ -21,6 +21,97 @@ def test_elastic_mesh_never_imports_prime():
     assert not offenders, f"elastic_mesh must not import prime: {offenders}"
 
 
+def _from_imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, names, line) of every absolute import in the file; `import a.b` gives (a.b, [], line)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+def test_prime_uses_elastic_mesh_only_through_its_public_names():
+    import elastic_mesh
+
+    public = set(elastic_mesh.__all__)
+    offenders = []
+    for path in sorted((REPO / "prime").rglob("*.py")):
+        for module, names, line in _from_imports(path):
+            if module.split(".")[0] != "elastic_mesh":
+                continue
+            where = f"{path.relative_to(REPO)}:{line}"
+            if module != "elastic_mesh":
+                offenders.append(f"{where} imports {module} (a submodule)")
+            offenders += [f"{where} imports {name}, not a public name" for name in names if name not in public]
+    assert not offenders, "prime reaches into elastic_mesh:\n" + "\n".join(offenders)
+
+
+def test_every_public_name_of_elastic_mesh_resolves():
+    import elastic_mesh
+
+    missing = [name for name in elastic_mesh.__all__ if getattr(elastic_mesh, name, None) is None]
+    assert not missing and len(elastic_mesh.__all__) == len(set(elastic_mesh.__all__))
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """unit -> units it imports, a unit being a package's direct child (prime.rl, elastic_mesh.coordinator,
+    prime.train): the layers whose arrows must all point one way."""
+    def unit(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if parts[0] in ("prime", "elastic_mesh") and len(parts) > 1 else None
+
+    graph: dict[str, set[str]] = {}
+    for root in ("prime", "elastic_mesh"):
+        for path in (REPO / root).rglob("*.py"):
+            source = unit(".".join(path.relative_to(REPO).with_suffix("").parts))
+            if source is None:
+                continue
+            targets = {unit(module) for module, _, _ in _from_imports(path)}
+            graph.setdefault(source, set()).update(t for t in targets if t and t != source)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_arrow_runs_back_up_between_packages():
+    cycle = _cycle(_package_graph())
+    assert cycle is None, "these packages import each other (an arrow back up): " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_production_code_never_imports_the_test_package():
+    offenders = [f"{p.relative_to(REPO)}:{line}" for p in sorted((REPO / "prime").rglob("*.py"))
+                 if "testing" not in p.relative_to(REPO).parts
+                 for module, _, line in _from_imports(p) if module.startswith("prime.testing")]
+    assert not offenders, "production code imports prime.testing: " + ", ".join(offenders)
+
+
 def test_model_code_knows_nothing_of_parallelism():
     imports = _imports(REPO / "prime" / "core" / "model.py")
     text = (REPO / "prime" / "core" / "model.py").read_text()

@@ -35,6 +35,7 @@ from dataclasses import asdict
 
 import torch
 
+from elastic_mesh import Refused
 from prime.inference.sampling import SamplingParams
 from prime.rl.environments.base import Environment
 from prime.rl.grpo import GRPOConfig, group_advantages
@@ -43,7 +44,6 @@ from prime.rl.orchestrator.records import Counters, Group, Lease, Prompt, Worker
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import VerifiedVersions
-from elastic_mesh.control.http import Refused
 from prime.verify.verifier import Claim
 
 log = logging.getLogger(__name__)

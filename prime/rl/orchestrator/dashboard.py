@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
-from elastic_mesh.coordinator.server import DASHBOARD_DIR
+from elastic_mesh import DASHBOARD_DIR
 from prime.rl.orchestrator.core import Orchestrator
 
 _HERE = Path(__file__).parent / "dashboard"

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mesh import BroadcastMember, JsonServer, Refused, TokenCheck, read_token
+from elastic_mesh import BroadcastMember, JsonServer, Refused, TokenCheck
 from prime.rl.environments import build_environment
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
@@ -74,7 +74,6 @@ class OrchestratorService:
     def build(cls, config: OrchestratorConfig, token: str, run_dir: Path, host: str = "0.0.0.0", port: int = 0,
               advertise_host: str | None = None) -> "OrchestratorService":
         """Restores the run's state (a restart), joins the broadcast and binds the server (not started)."""
-        facts = read_token(token)
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         records = RunRecords(run_dir / "metrics.jsonl")
@@ -103,7 +102,7 @@ class OrchestratorService:
             if version % config.eval_every == 0:
                 evaluations.todo.put(version)
         versions.on_new = new_version
-        check = TokenCheck(facts.coordinator, facts.run_id, tls_fp=facts.tls_fp)
+        check = TokenCheck.for_token(token)
         server = JsonServer(host, port, cls._routes(orchestrator, versions, records), check,
                             read_only=frozenset({DASHBOARD}), pages=PAGES)
         server.tls = member.server.tls  # where the run speaks TLS: the certificate the coordinator gave this member

@@ -16,9 +16,7 @@ import safetensors.torch
 import torch
 from transformers import PreTrainedModel
 
-from elastic_mesh.broadcast.member import BroadcastMember, BroadcastSettings
-from elastic_mesh.broadcast.payload import files_as_tensors, read_files, write_files
-from elastic_mesh.transfer.chunk_dir import ChunkDir
+from elastic_mesh import BroadcastMember, BroadcastSettings, ChunkDir, payload
 from prime.inference.hf_engine import load_hf_policy
 from prime.verify.thresholds import FILENAME as THRESHOLDS_FILE
 from prime.verify.thresholds import ToplocThresholds
@@ -78,7 +76,7 @@ def publish_policy(member: BroadcastMember, version: int, model, base_dir: Path,
         for file in Path(base_dir).iterdir():
             if file.is_file() and file.name not in _PER_VERSION and not file.name.endswith(_WEIGHTS):
                 shutil.copy2(file, out / file.name)
-        tensors, files_meta = files_as_tensors([out])
+        tensors, files_meta = payload.files_as_tensors([out])
         member.publish(version, tensors, {**meta, **files_meta})
 
 
@@ -95,7 +93,7 @@ def write_policy(target: ChunkDir, root: Path) -> Path:
         if not (out / "config.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-            write_files(target, staging)
+            payload.write_files(target, staging)
             shutil.rmtree(out, ignore_errors=True)
             staging.rename(out)
     return out
@@ -120,7 +118,7 @@ def load_policy_version(target: ChunkDir, root: Path, dtype: torch.dtype, like: 
     from_pretrained, paid by every worker and the orchestrator for every version, on the path every
     async step waits on. Otherwise (the first version, another config, weights in several files) the
     directory is written under `root` and loaded by from_pretrained. Nothing is unpickled either way."""
-    files = read_files(target)
+    files = payload.read_files(target)
     config, weights = bytes(files.get("config.json", b"")), files.get("model.safetensors")
     if like is not None and weights is not None and config == like.config and THRESHOLDS_FILE in files:
         model = copy.deepcopy(like.model)
