@@ -112,6 +112,11 @@ class RoundBarrier:
         measured = statistics.median(self.round_times) if self.round_times else 0.0
         return max(self.config.min_wait_s, self.config.deadline_factor * measured)
 
+    def return_wait_s(self) -> float:
+        """How long a round waits for a node back from a catch-up: one ordinary round (the median time
+        between a member's ready and its next), never longer than the deadline."""
+        return min(self.deadline_s(), statistics.median(self.round_times)) if self.round_times else self.deadline_s()
+
     def _open_attempt(self, number: int) -> RoundDecision | None:
         attempts = self.state.rounds(number)
         return attempts[-1] if attempts and attempts[-1].decision == "open" else None
@@ -123,11 +128,16 @@ class RoundBarrier:
         if not ready:
             return
         waited = time.monotonic() - self.first_ready.get(number, time.monotonic())
-        # Only nodes that hold the last committed state are waited for; one still catching up (a joiner
-        # fetching a snapshot, a straggler replaying) never holds the others back.
+        # Only nodes that hold the last committed state are waited for, up to the deadline; one still
+        # catching up (a joiner fetching a snapshot, a straggler replaying) never holds the others back.
+        # A node back from a catch-up (it said it would be back for this round, or caught up to the round
+        # before by replaying it) is waited for one ordinary round at most: its last replay and first
+        # inner steps must not cost the others more than that. If it misses, it catches up again.
         in_step = {nid for nid, n in live.items() if not n.needs_resync
                    and (n.round == number - 1 or self.expected.get(nid) == number)}
-        if not in_step <= set(ready) and waited < self.deadline_s():
+        returning = {nid for nid in in_step if self.expected.get(nid) == number}
+        late_holders, late_returning = (in_step - returning) - set(ready), returning - set(ready)
+        if (late_holders and waited < self.deadline_s()) or (late_returning and waited < self.return_wait_s()):
             return
         # The first number, and the first after a whole-run resume, waits for start_nodes (not the first to arrive).
         first = number == 1 or number == int(self.state.get_meta("resumed_at", "-1")) + 1
@@ -250,6 +260,7 @@ class RoundBarrier:
                 self.state.node(n).node_index for n, x in hashes.items() if x == h)))
             if state_hash == majority and node.round < number:
                 node.round = number  # a node that caught up by replaying now holds this round
+                self.expected.setdefault(node.node_id, number + 1)  # ... and is back for the next
                 self.state.put_node(node)
             decided = applied[-1]
             decided.state_hash = majority

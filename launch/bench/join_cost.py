@@ -36,7 +36,7 @@ def trial(args, corpus: Path) -> dict:
     work = (contextlib.nullcontext(tempfile.mkdtemp(prefix="join-cost-", dir=args.keep)) if args.keep
             else tempfile.TemporaryDirectory())
     with work as tmp, LocalCluster(Path(tmp), "configs/debug.toml", overrides,
-                                   coordinator_args=["--tls", "off"]) as c:
+                                   coordinator_args=["--tls", args.tls]) as c:
         c.start_coordinator(start_nodes=args.sources)
         controls = {}
         for name in names:
@@ -51,9 +51,10 @@ def trial(args, corpus: Path) -> dict:
         c.start_node("joiner")
         caught = wait_for(lambda: [r for r in c.metrics("joiner") if "caught_up_to" in r], 600, "the catch-up")[0]
         first = min(wait_for(lambda: c.outer_records("joiner"), 600, "the joiner's first outer step"))
-        wait_for(lambda: len(c.outer_records(names[0])) >= first + 2, 600, "two more outer steps")
+        last = min(first + 2, args.rounds)  # the run may end sooner: the joiner's start is not timed
+        wait_for(lambda: max(c.outer_records(names[0]), default=0) >= last, 600, "two more outer steps")
         rounds = c.outer_records(names[0])
-        c.stop()
+        c.stop()  # the rest of the run is not measured
     plans = {k: r["timings"]["plan_s"] for k, r in rounds.items()}
     outers = {k: r["outer_s"] for k, r in rounds.items()}
     ordinary = [plans[k] for k in plans if k > 1 and k not in (first, first - 1)]
@@ -69,12 +70,15 @@ def main() -> int:
                                      epilog="example: python launch/bench/join_cost.py --sources 3 --repeats 2")
     parser.add_argument("--sources", type=int, default=3)
     parser.add_argument("--after", type=int, default=3, help="outer steps committed before the joiner starts")
-    parser.add_argument("--rounds", type=int, default=16, help="outer steps of the run")
+    parser.add_argument("--rounds", type=int, default=40, help="outer steps of the run (it ends when the joiner "
+                        "has taken part in two)")
     parser.add_argument("--inner-steps", type=int, default=5)
     parser.add_argument("--step-delay-s", type=float, default=0.2, help="added to every inner step of a source")
     parser.add_argument("--serve-delay-s", type=float, default=0.3, help="each chunk a source serves, this late")
     parser.add_argument("--chunk-kib", type=int, default=64, help="snapshot chunk size (the debug model: ~1 MB)")
     parser.add_argument("--mode", choices=["blocking", "delayed", "streaming"], default="blocking")
+    parser.add_argument("--tls", choices=["on", "off"], default="on", help="the coordinator's --tls (on: as across "
+                        "machines; every snapshot server speaks it too)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--keep", default="", metavar="DIR", help="keep each trial's run directory under DIR")
     args = parser.parse_args()

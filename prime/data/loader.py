@@ -220,15 +220,30 @@ class BatchIterator:
     def __init__(self, stream: PackedSequenceStream, micro_batch_size: int) -> None:
         self.stream, self.micro_batch_size = stream, micro_batch_size
         self._samples = iter(stream)
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def position(self) -> DataPosition:
+        if self._ahead is not None:  # the stream is a batch further than what was taken
+            raise RuntimeError("a batch read ahead is not taken yet: the position would skip it")
         return self.stream.position  # a PackedSequenceStream's; leased streams report to the coordinator
 
     def __iter__(self) -> "BatchIterator":
         return self
 
+    def read_ahead(self) -> None:
+        """Reads the next micro-batch now, for the next __next__ to return: the stream's first reads
+        (its leases, its files opened and tokenized) happen here instead of inside a step."""
+        if self._ahead is None:
+            self._ahead = self._read()
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
+        return self._read()
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [next(self._samples) for _ in range(self.micro_batch_size)]
         batch = torch.stack(rows)  # (B, T+1)
         return batch[:, :-1], batch[:, 1:]

@@ -31,3 +31,6 @@ class TrainerView(Protocol):
 
     def restart_data(self) -> None:
         """Restarts the batch iterator from the leased stream's committed position."""
+
+    def prepare_data(self) -> None:
+        """Reads the next batch ahead (leases and opens the shards it needs), off the next step's time."""

@@ -181,7 +181,8 @@ def test_late_node_is_left_out_after_the_deadline(coordinator, tmp_path):
 def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_for(coordinator, tmp_path):
     """c joins after step 1 and says it will be back for step 3: step 2 goes without it at once, and
     step 3's barrier waits for it although, when a is ready, c holds no committed step yet (it commits
-    its replay of step 2 half a second later). Without the promise step 3 would go without c at once."""
+    its replay of step 2 0.2 s later, within one of a's rounds of ~0.7 s). Without the promise step 3
+    would go without c at once."""
     a = joined(coordinator, tmp_path, "a")
     stop, clients = threading.Event(), [a]
     threading.Thread(target=lambda: [([c.post("/v1/heartbeat", {}) for c in list(clients)], time.sleep(0.2))
@@ -199,18 +200,50 @@ def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_fo
         with pytest.raises(CoordinatorError, match="more than one round after"):
             c.post("/v1/will_join", {"round": 4}, retry=False)
         assert c.post("/v1/will_join", {"round": 3})["status"] == "ok"
+        time.sleep(0.7)  # a's inner steps
         started = time.monotonic()
         step_alone(2)  # c said 3, not 2: nobody waits for it here
         assert time.monotonic() - started < 0.9
 
         def c_replays_then_joins():
-            time.sleep(0.5)
+            time.sleep(0.9)
             c.post("/v1/commit", {"round": 2, "state_hash": "h2"})
             return _ready(c, 3)
-        pa, pc = _together(lambda: _ready(a, 3), c_replays_then_joins)
+        pa, pc = _together(lambda: (time.sleep(0.7), _ready(a, 3))[1], c_replays_then_joins)
         assert pa["status"] == pc["status"] == "go" and pa["world_size"] == pc["world_size"] == 2, (pa, pc)
         assert c.post("/v1/will_join", {"round": 3})["status"] == "missed"  # its members are fixed
         assert not any("left out" in e["text"] for e in a.get_status()["events"])
+    finally:
+        stop.set()
+
+
+def test_a_node_back_from_a_catch_up_costs_the_others_one_ordinary_round_at_most(coordinator, tmp_path):
+    """a's rounds come every ~0.3 s. c says it will be back for step 5 and does not come: step 5 goes
+    without it after about one ordinary round, not after the 1 s deadline a node holding the last
+    step would get. (Before, a joiner's last replay and first steps could hold a round for 2.6 s.)"""
+    a = joined(coordinator, tmp_path, "a")
+    stop, clients = threading.Event(), [a]
+    threading.Thread(target=lambda: [([c.post("/v1/heartbeat", {}) for c in list(clients)], time.sleep(0.2))
+                                     for _ in iter(lambda: stop.is_set(), True)], daemon=True).start()
+
+    def step_alone(step):
+        plan = _ready(a, step)
+        assert plan["world_size"] == 1 and _vote(a, plan) == "apply"
+        a.post("/v1/commit", {"round": step, "state_hash": f"h{step}"})
+    try:
+        for step in range(1, 4):
+            step_alone(step)
+            time.sleep(0.3)  # the inner steps of an ordinary round
+        c = joined(coordinator, tmp_path, "c")
+        clients.append(c)
+        assert c.post("/v1/will_join", {"round": 5})["status"] == "ok"
+        step_alone(4)
+        time.sleep(0.3)
+        started = time.monotonic()
+        step_alone(5)
+        waited = time.monotonic() - started
+        assert 0.2 <= waited < 0.8, waited
+        assert any("round 5: left out late node(s) c" in e["text"] for e in a.get_status()["events"])
     finally:
         stop.set()
 
