@@ -35,8 +35,8 @@ from elastic_mesh.transfer.chunks import (
     root_hash,
 )
 from elastic_mesh.transfer.fetcher import (
+    Download,
     FetchReport,
-    download,
     get_chunk,
     stream_chunks,
 )
@@ -261,14 +261,14 @@ class BroadcastMember:
 
         s = self.settings
         try:
-            download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
+            Download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
                      view, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
                      seeders=lambda: view.origins, tls=self.client.tls, conns=self._conns,
                      wait_s=s.standing_wait_s,
                      stream=(lambda src, path, conns, size_of: stream_chunks(self.key, s.timeout_s, src, path, conns,
                                                                              size_of))
-                     if streamed else None)
+                     if streamed else None).run()
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
                                  "for the next try") from None

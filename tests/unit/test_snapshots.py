@@ -17,7 +17,7 @@ import torch
 
 from elastic_mesh.transfer.chunk_dir import ChunkDir
 from elastic_mesh.transfer.chunks import Chunked, Deferred, TransferError, lay_out
-from elastic_mesh.transfer.fetcher import ChunkFetcher, FetchReport, download, get_chunk
+from elastic_mesh.transfer.fetcher import ChunkFetcher, Download, FetchReport, get_chunk
 from elastic_mesh.transfer.server import ChunkServer
 from elastic_mesh.transfer.sources import SourcePicker
 
@@ -328,7 +328,7 @@ def test_a_standing_request_is_answered_with_the_first_chunk_the_relay_verifies(
 
 
 def test_a_download_takes_chunks_from_a_peer_the_moment_the_peer_verifies_them(tmp_path):
-    """download() with wait_s: a peer whose bitmap is still empty gets a standing request, so a chunk the
+    """Download with wait_s: a peer whose bitmap is still empty gets a standing request, so a chunk the
     peer verifies reaches this side with no refresh of who holds what (the holder view here never changes)."""
     snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
     peer_dir = ChunkDir(tmp_path / "peer", snapshot.manifest)
@@ -347,8 +347,8 @@ def test_a_download_takes_chunks_from_a_peer_the_moment_the_peer_verifies_them(t
     feeder = threading.Thread(target=feed)
     try:
         feeder.start()
-        download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
-                 lambda: {peer: empty}, SourcePicker(2), report, streams=4, stall_s=30, wait_s=2.0)
+        Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+                 lambda: {peer: empty}, SourcePicker(2), report, streams=4, stall_s=30, wait_s=2.0).run()
     finally:
         feeder.join()
         server.stop()

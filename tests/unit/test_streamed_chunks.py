@@ -16,8 +16,8 @@ from elastic_mesh.transfer.chunk_dir import ChunkDir
 from elastic_mesh.transfer.chunks import TransferError, lay_out
 from elastic_mesh.transfer.fetcher import (
     FRAME_HEAD,
+    Download,
     FetchReport,
-    download,
     get_chunk,
     stream_chunks,
 )
@@ -102,7 +102,7 @@ def test_a_seeder_streams_each_requester_its_share_once(tmp_path):
 
 
 def test_a_download_streams_from_a_seeder_and_a_peer_and_bans_a_peer_whose_frames_lie(tmp_path):
-    """download() with stream: the seeder's chunks come in streamed answers, an honest peer's share over
+    """Download with stream: the seeder's chunks come in streamed answers, an honest peer's share over
     its standing stream; a peer whose streamed chunk does not match its hash is banned and reported, and
     the chunk comes from elsewhere."""
     snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
@@ -130,11 +130,11 @@ def test_a_download_streams_from_a_seeder_and_a_peer_and_bans_a_peer_whose_frame
     feeder = threading.Thread(target=feed)
     try:
         feeder.start()
-        download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+        Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
                  lambda: {addresses["seeder"]: None, addresses["honest"]: empty, addresses["liar"]: empty},
                  SourcePicker(2), report, streams=6, stall_s=30, wait_s=2.0,
                  seeders=lambda: {addresses["seeder"]}, on_bad=lambda source, index, why: bad.append(source),
-                 stream=lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of))
+                 stream=lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of)).run()
     finally:
         feeder.join()
         for s in (seeder, *(s for _, s in peers)):
@@ -260,11 +260,11 @@ def test_a_version_retired_during_its_download_ends_the_download_with_that_reaso
     previous_hook, threading.excepthook = threading.excepthook, lambda args: crashed.append(args.exc_value)
     try:
         with pytest.raises(TransferError, match="retired while it was fetched"):
-            download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+            Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
                      lambda: {source: None}, SourcePicker(2), report, streams=2, stall_s=30,
                      on_verified=lambda index: target.remove(), seeders=lambda: {source},
                      stream=(lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of))
-                     if streamed else None)
+                     if streamed else None).run()
     finally:
         threading.excepthook = previous_hook
         seeder.stop()
