@@ -35,24 +35,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.wire.codecs import BLOCK, Codec, codec_for
-from elastic_mesh.wire.pacing import (
-    MAX_SPREAD_S,
-    MIN_SPREAD_S,
-    Pacer,
-    PiecewiseSend,
-    piece_bytes,
-    pieces,
-)
+from elastic_mesh.wire.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, piece_bytes
 from elastic_mesh.wire.socket_pacing import GroupSockets
+from elastic_mesh.wire.steps import CollectiveError, pairwise, post, ring_gather, slow_peers, wait
 from elastic_mesh.wire.topology import LinkEstimates, choose_ring, rate_matrix
-
-
-class CollectiveError(RuntimeError):
-    """A transfer failed (a peer died, timed out or sent bad data); `blame` names ranks at fault, if known."""
-
-    def __init__(self, message: str, phase: str, blame: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.phase, self.blame = phase, blame or []
 
 
 @dataclass
@@ -87,158 +73,6 @@ def decode_wire(wire: torch.Tensor, codec: Codec | str, layout: list[list[int]])
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def _wait(work, phase: str) -> None:
-    try:
-        work.wait()
-    except RuntimeError as e:  # Gloo reports a dead or silent peer as RuntimeError/DistBackendError
-        raise CollectiveError(f"{phase} failed: {e}", phase) from e
-
-
-def _post(start: Callable[[], object], phase: str):
-    """Starts a send/recv/allgather. Gloo can raise while posting (a peer that already closed its
-    connection), not only while waiting: that is the same failure and must reach callers the same way."""
-    try:
-        return start()
-    except RuntimeError as e:
-        raise CollectiveError(f"{phase} failed: {e}", phase) from e
-
-
-class _TimedReceive:
-    """A receive announced by a 4-byte marker the sender puts on the same connection just before the
-    data: the time from marker to data is how long the data took on this pair, without the latency
-    or the wait for the sender to get to this step. A thread waits on both, so the times are taken
-    when they happen rather than when the caller gets round to looking."""
-
-    def __init__(self, pg: dist.ProcessGroup, frm: int, buffer: torch.Tensor, phase: str, tag: int,
-                 piece: int = 0) -> None:
-        self.frm, self.nbytes, self.phase = frm, buffer.numel() * buffer.element_size(), phase
-        self.marker = _post(lambda: pg.recv([torch.empty(1)], frm, tag + _MARKER_TAG), phase)
-        self.data = _receive(pg, buffer, frm, tag, phase, piece)
-        self.seconds, self.error = float("nan"), None
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"receive-from-{frm}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.marker.wait()
-            started = time.perf_counter()
-            for work in self.data:
-                work.wait()
-            self.seconds = time.perf_counter() - started
-        except RuntimeError as e:
-            self.error = e
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise CollectiveError(f"{self.phase} failed: {self.error}", self.phase) from self.error
-
-
-_MARKER_TAG = 100
-
-
-def _receive(pg: dist.ProcessGroup, buffer: torch.Tensor, frm: int, tag: int, phase: str, piece: int) -> list:
-    """Posts the receives of one transfer, a piece each, as the sender cuts it."""
-    return [_post(lambda: pg.recv([view], frm, tag), phase) for view in pieces(buffer, piece)]
-
-
-def _send(pg: dist.ProcessGroup, buffer: torch.Tensor, to: int, tag: int, phase: str, piece: int,
-          pacer: Pacer | None) -> PiecewiseSend:
-    return PiecewiseSend(lambda view: _post(lambda: pg.send([view], to, tag), phase), lambda w: _wait(w, phase),
-                         buffer, piece, pacer, name=f"{phase}-send-to-{to}")
-
-
-def _pairwise(pg: dist.ProcessGroup, outgoing, incoming, phase: str, tag: int,
-              arrived: Callable[[int], None], order: list[int],
-              timed: Callable[[int, int, float], None] | None = None, slow: set[int] | None = None,
-              piece: int = 0, pacer: Pacer | None = None) -> None:
-    """Sends a distinct buffer to every other member: in step s a member sends to the one s places on
-    along the ring `order` (so it receives from the one s places back). Sends go one at a time, so
-    each uplink carries one flow and each downlink mostly one (posting every send at once, as Gloo's
-    all-to-all does, makes N-1 senders converge on each receiver's downlink: on a WAN, queue
-    overflow, losses and collapsing TCP windows). Receives are all posted up front, so a step never
-    waits for the slower direction of the one before; each arrival is decoded (`arrived`) while later
-    transfers are on the wire, and timed: timed(sender, bytes, seconds) for every pair. Transfers move
-    in pieces of `piece` bytes (0: whole), posted at the `pacer`'s rate if there is one."""
-    rank, world = pg.rank(), pg.size()
-    at, slow = order.index(rank), slow or set()
-    receiving = [_TimedReceive(pg, order[(at - s) % world], incoming(order[(at - s) % world]), phase, tag, piece)
-                 for s in range(1, world)]
-    marker = torch.zeros(1)
-
-    def send(to: int) -> tuple:
-        announced = _post(lambda: pg.send([marker], to, tag + _MARKER_TAG), phase)
-        return announced, _send(pg, outgoing(to), to, tag, phase, piece, pacer)
-
-    # Peers behind a slow route get their transfer at once, alongside the others: one at a time, a
-    # slow transfer would hold up every later step (its rate is the route's, so it takes little of the
-    # uplink from the transfers it runs beside). Their incoming transfers are waited for last.
-    slow_sends = [send(to) for to in (order[(at + s) % world] for s in range(1, world)) if to in slow]
-    arrived(rank)  # the member's own piece, while the first transfer is on the wire
-    later = []
-    for step in range(1, world):
-        to = order[(at + step) % world]
-        sending = () if to in slow else send(to)
-        if step + 1 < world:
-            outgoing(order[(at + step + 1) % world])  # prepare the next buffer meanwhile
-        receive = receiving[step - 1]
-        if receive.frm in slow:
-            later.append(receive)
-        else:
-            _finish(receive, arrived, timed)
-        _finish_send(sending, phase)
-    for receive in later:
-        _finish(receive, arrived, timed)
-    for sending in slow_sends:
-        _finish_send(sending, phase)
-
-
-def _finish_send(sending: tuple, phase: str) -> None:
-    if sending:
-        announced, data = sending
-        _wait(announced, phase)
-        data.wait()
-
-
-def _finish(receive: _TimedReceive, arrived: Callable[[int], None],
-            timed: Callable[[int, int, float], None] | None) -> None:
-    receive.wait()
-    arrived(receive.frm)
-    if timed:
-        timed(receive.frm, receive.nbytes, receive.seconds)
-
-
-def slow_peers(rank: int, rates: list[list[float]] | None, factor: float = 0.5) -> set[int]:
-    """Members the route to or from is slower than `factor` × the median route (measured)."""
-    if not rates:
-        return set()
-    world = len(rates)
-    values = sorted(rates[i][j] for i in range(world) for j in range(world) if i != j)
-    bar = factor * values[len(values) // 2]
-    return {j for j in range(world) if j != rank and min(rates[rank][j], rates[j][rank]) < bar}
-
-
-def _ring_gather(pg: dist.ProcessGroup, chunks: list[torch.Tensor], phase: str, tag: int,
-                 arrived: Callable[[int], None], order: list[int], piece: int = 0, pacer: Pacer | None = None) -> None:
-    """All-gather on the ring `order`: in step s a member forwards the chunk it got s-1 steps ago to
-    its right-hand neighbour and receives one from its left. Every member uploads N-1 chunks over one
-    connection that stays busy (its TCP window stays open), and decodes each chunk while the next
-    one is on the wire. All hops move at once: the ring goes at its slowest hop's rate."""
-    rank, world = pg.rank(), pg.size()
-    at = order.index(rank)
-    right, left = order[(at + 1) % world], order[(at - 1) % world]
-    done = rank
-    for step in range(1, world):
-        sending = _send(pg, chunks[order[(at - step + 1) % world]], right, tag, phase, piece, pacer)
-        receiving = _receive(pg, chunks[order[(at - step) % world]], left, tag, phase, piece)
-        arrived(done)
-        for work in receiving:
-            _wait(work, phase)
-        sending.wait()
-        done = order[(at - step) % world]
-    arrived(done)
-
-
 def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Tensor, codec: Codec,
                     contributes: list[bool], valid: bool = True, outlier_factor: float = math.inf,
                     on_phase: Callable[[str], None] | None = None, links: LinkEstimates | None = None,
@@ -262,17 +96,52 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     """
     started = time.perf_counter()
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
-    rank, world = groups[0].rank(), groups[0].size()
     x = x.detach().reshape(-1).float().cpu()
+    peers = peers or [str(r) for r in range(groups[0].size())]
+    agreed = agree(groups[0], x, codec, contributes, valid, outlier_factor, links, peers, spread_s)
+    if not agreed.contributors or x.numel() == 0:
+        return AllReduceResult(torch.zeros_like(x), agreed.contributors, agreed.refused,
+                               seconds=time.perf_counter() - started)
+    runner = _StripeRunner(groups, x, codec, agreed, on_phase, links, peers, finish_s, sockets)
+    stripes = runner.run()
+    world = groups[0].size()
+    # Both phases, the headers and the 4-byte markers that time each scatter transfer.
+    moved = sum(st.moved for st in stripes) + (world - 1) * (4 * header_size(world) + 4 * len(stripes))
+    return AllReduceResult(torch.cat([st.mean for st in stripes]), agreed.contributors, agreed.refused, moved, moved,
+                           time.perf_counter() - started, wire=torch.cat([st.wire for st in stripes]),
+                           layout=[[st.chunk, st.mean.numel(), world] for st in stripes], ring=agreed.ring,
+                           ring_changed=agreed.ring_changed, rates=agreed.rates, kernel_paced=runner.kernel_paced)
+
+
+@dataclass
+class Agreement:
+    """What every member decided alike from everyone's header: who contributes (and who is refused,
+    why), the ring both phases take, the rates it was chosen on, and the pace of the sends."""
+
+    headers: list[torch.Tensor]
+    contributors: list[int]
+    refused: dict[int, str]
+    ring: list[int]
+    rates: list[list[float]] | None
+    ring_changed: bool
+    to_send: int  # bytes this member sends in both phases
+    pace: float | None  # bytes/s its sends are posted at (None: the link's rate)
+
+
+def agree(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributes: list[bool], valid: bool,
+          outlier_factor: float, links: LinkEstimates | None, peers: list[str],
+          spread_s: float | None) -> Agreement:
+    """The agreement step: every member sends its header (finite? norm? contributes? size, measured
+    link rates, last ring, spread) and decides the same from everyone's."""
+    rank, world = pg.rank(), pg.size()
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
-    peers = peers or [str(r) for r in range(world)]
     header = torch.tensor([1.0 if finite else 0.0, norm if finite else 0.0, 1.0 if contributes[rank] else 0.0,
                            float(x.numel()), 1.0 if links else 0.0,
                            *(links.incoming(peers) if links else [0.0] * world),
                            *(links.last_ring(peers) if links else range(world)), spread_s or 0.0])
     headers = [torch.empty(header_size(world)) for _ in range(world)]
-    _wait(_post(lambda: groups[0].allgather([headers], [header]), "header"), "header")
+    wait(post(lambda: pg.allgather([headers], [header]), "header"), "header")
     sizes = {int(h[3]) for h in headers}
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
@@ -280,8 +149,6 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     # What each member sends (both phases), paced to the agreed spread, in pieces everyone cuts alike.
     to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
     spread = _agree_on_spread(headers)
-    pace = to_send / spread if spread and world > 1 and to_send else None
-    piece = piece_bytes(pace) if pace else 0
     ring_changed = False
     if links:
         ring_changed = links.last_ring(peers) != ring
@@ -296,67 +163,78 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
         if len(others) >= 2 and n > outlier_factor * max(others[len(others) // 2], 1e-30):
             refused[r] = f"norm {n:.3g} is over {outlier_factor:g}× the others' median {others[len(others) // 2]:.3g}"
     contributors = [r for r in range(world) if contributes[r] and r not in refused]
-    total = x.numel()
-    if not contributors or total == 0:
-        return AllReduceResult(torch.zeros_like(x), contributors, refused, seconds=time.perf_counter() - started)
-    # Stripes of whole blocks (the int8 scales cover BLOCK elements), as even as that allows.
-    per_stripe = -(-(-(-total // len(groups))) // BLOCK) * BLOCK
-    bounds = [(start, min(total, start + per_stripe)) for start in range(0, total, per_stripe)]
-    stripes: list[_Stripe | None] = [None] * len(bounds)
-    errors: list[CollectiveError] = []
-    phases_done = threading.Barrier(len(bounds))
-    slow = slow_peers(rank, rates)
-    # Only stripe 0 is timed: with S stripes each sees about 1/S of a route, enough to tell the slow ones.
-    timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
-    # The bucket paces each member's sends in all; each connection gets its stripe's share as a cap.
-    capped = [s for s in (sockets or [])[:len(bounds)] if s is not None] if pace else []
+    pace = to_send / spread if spread and world > 1 and to_send else None
+    return Agreement(headers, contributors, refused, ring, rates, ring_changed, to_send, pace)
 
-    def cap(rate: float | None) -> int:
-        return sum(s.pace(None if rate is None else rate / len(bounds)) for s in capped)
-    pacer = Pacer(pace, to_send, on_rate=cap, end_s=finish_s) if pace else None
 
-    def run(i: int) -> None:
+class _StripeRunner:
+    """The transfer after the agreement: the tensor cut into one stripe per group (whole int8 blocks), each
+    stripe's scatter and gather on its own thread, on_phase("scatter") once every scatter is done; the
+    sends of all stripes paced together. A failure of one stripe fails the whole all-reduce, the peer at
+    fault named where known."""
+
+    def __init__(self, groups: list[dist.ProcessGroup], x: torch.Tensor, codec: Codec, agreed: Agreement,
+                 on_phase: Callable[[str], None] | None, links: LinkEstimates | None, peers: list[str],
+                 finish_s: float | None, sockets: list[GroupSockets | None] | None) -> None:
+        self.groups, self.x, self.codec, self.agreed, self.on_phase = groups, x, codec, agreed, on_phase
+        total = x.numel()
+        # Stripes of whole blocks (the int8 scales cover BLOCK elements), as even as that allows.
+        per_stripe = -(-(-(-total // len(groups))) // BLOCK) * BLOCK
+        self.bounds = [(start, min(total, start + per_stripe)) for start in range(0, total, per_stripe)]
+        self.slow = slow_peers(groups[0].rank(), agreed.rates)
+        # Only stripe 0 is timed: with S stripes each sees about 1/S of a route, enough to tell the slow ones.
+        self.timed = (lambda frm, nbytes, seconds: links.observe(peers[frm], nbytes, seconds)) if links else None
+        self.piece = piece_bytes(agreed.pace) if agreed.pace else 0
+        # The bucket paces each member's sends in all; each connection gets its stripe's share as a cap.
+        self.capped = [s for s in (sockets or [])[:len(self.bounds)] if s is not None] if agreed.pace else []
+        self.pacer = Pacer(agreed.pace, agreed.to_send, on_rate=self._cap, end_s=finish_s) if agreed.pace else None
+        self.kernel_paced = 0
+        self.errors: list[CollectiveError] = []
+        self._phases_done = threading.Barrier(len(self.bounds))
+
+    def _cap(self, rate: float | None) -> int:
+        return sum(s.pace(None if rate is None else rate / len(self.bounds)) for s in self.capped)
+
+    def run(self) -> list[_Stripe]:
+        stripes: list[_Stripe | None] = [None] * len(self.bounds)
+        try:
+            self.kernel_paced = self._cap(self.agreed.pace) if self.capped else 0
+            threads = [threading.Thread(target=self._stripe, args=(i, stripes), daemon=True,
+                                        name=f"all-reduce-stripe-{i}") for i in range(1, len(self.bounds))]
+            for t in threads:
+                t.start()
+            self._stripe(0, stripes)
+            for t in threads:
+                t.join()
+        finally:
+            if self.capped:  # the group's next, unpaced all-reduce goes at the link's rate
+                self._cap(None)
+        if self.errors:
+            blamed = [e for e in self.errors if e.blame]
+            raise (blamed or self.errors)[0]
+        if self.on_phase:
+            self.on_phase("gather")
+        return stripes
+
+    def _stripe(self, i: int, out: list) -> None:
         def after_scatter() -> None:
             try:
-                phases_done.wait()  # on_phase("scatter") comes once every stripe's scatter is done
+                self._phases_done.wait()  # on_phase("scatter") comes once every stripe's scatter is done
             except threading.BrokenBarrierError:  # another stripe failed; its error is the one raised
                 return
-            if i == 0 and on_phase:
-                on_phase("scatter")
+            if i == 0 and self.on_phase:
+                self.on_phase("scatter")
         try:
-            start, end = bounds[i]
-            stripes[i] = _reduce_stripe(groups[i], x[start:end], codec, contributors, headers, after_scatter,
-                                        ring, timed if i == 0 else None, slow, piece, pacer)
+            start, end = self.bounds[i]
+            out[i] = _reduce_stripe(self.groups[i], self.x[start:end], self.codec, self.agreed.contributors,
+                                    self.agreed.headers, after_scatter, self.agreed.ring,
+                                    self.timed if i == 0 else None, self.slow, self.piece, self.pacer)
         except CollectiveError as e:
-            errors.append(e)
-            phases_done.abort()
+            self.errors.append(e)
+            self._phases_done.abort()
         except Exception as e:  # any other failure of one stripe fails the whole all-reduce, named
-            errors.append(CollectiveError(f"stripe {i}: {type(e).__name__}: {e}", "scatter"))
-            phases_done.abort()
-
-    try:
-        kernel_paced = cap(pace) if capped else 0
-        threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"all-reduce-stripe-{i}")
-                   for i in range(1, len(bounds))]
-        for t in threads:
-            t.start()
-        run(0)
-        for t in threads:
-            t.join()
-    finally:
-        if capped:  # the group's next, unpaced all-reduce goes at the link's rate
-            cap(None)
-    if errors:
-        blamed = [e for e in errors if e.blame]
-        raise (blamed or errors)[0]
-    if on_phase:
-        on_phase("gather")
-    # Both phases, the headers and the 4-byte markers that time each scatter transfer.
-    moved = sum(st.moved for st in stripes) + (world - 1) * (4 * header_size(world) + 4 * len(stripes))
-    return AllReduceResult(torch.cat([st.mean for st in stripes]), contributors, refused, moved, moved,
-                           time.perf_counter() - started, wire=torch.cat([st.wire for st in stripes]),
-                           layout=[[st.chunk, st.mean.numel(), world] for st in stripes], ring=ring,
-                           ring_changed=ring_changed, rates=rates, kernel_paced=kernel_paced)
+            self.errors.append(CollectiveError(f"stripe {i}: {type(e).__name__}: {e}", "scatter"))
+            self._phases_done.abort()
 
 
 def header_size(world: int) -> int:
@@ -433,7 +311,7 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
                                   f"(norm {part_norm:.3g}, declared {float(headers[r][1]):.3g})", "scatter", blame=[r])
         parts[r] = part
 
-    _pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate,
+    pairwise(pg, encoded_chunk, lambda peer: recv[peer * encoded:(peer + 1) * encoded], "scatter", 1, accumulate,
               ring, timed, slow, piece, pacer)
     after_scatter()
     mean_chunk = torch.zeros(chunk)
@@ -456,5 +334,5 @@ def _reduce_stripe(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contrib
         mean[r * chunk:(r + 1) * chunk] = piece
 
     # place(rank) decodes the member's own chunk from the encoded bytes, like everyone else's.
-    _ring_gather(pg, gathered, "gather", 2, place, ring, piece, pacer)
+    ring_gather(pg, gathered, "gather", 2, place, ring, piece, pacer)
     return _Stripe(mean[:total], torch.cat(gathered), chunk, (world - 1) * encoded * 2)

@@ -6,10 +6,10 @@ few pairs of nodes can be several times slower than the rest (a congested route,
 that caps a TCP stream); a ring that avoids them is that many times faster.
 
 The scatter cannot avoid a slow route (every member sends a chunk to every other), but it sends
-over slow routes at once, beside its other transfers, rather than in turn (collectives.slow_peers).
+over slow routes at once, beside its other transfers, rather than in turn (steps.slow_peers).
 
 Measurement is passive: the scatter phase already sends a chunk between every ordered pair of
-members, and the receiver times each one (see collectives._pairwise). Every member keeps what it
+members, and the receiver times each one (see steps.pairwise). Every member keeps what it
 measured coming in, keyed by the peer's name so it survives a change of membership, smoothed over
 all-reduces. At the next all-reduce every member puts its row in the header the members exchange
 anyway; all then hold the same matrix and pick the same ring with the same deterministic code.
