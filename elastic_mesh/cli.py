@@ -292,6 +292,21 @@ def load_config_file(schema: type[BaseModel], path: str | Path | None, overrides
         raise ConfigError(describe_error(e, path, schema, prefix)) from None
 
 
+def renamed_keys(data: object, renames: dict[str, str], section: str) -> object:
+    """For a model's before-validator: keys renamed in this release still work, with a warning naming
+    the new one (`section`: where they live, e.g. "mesh"); they go in the next release."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old in data:
+            log.warning("%s.%s is the old name and goes in the next release: write %s.%s", section, old, section, new)
+            if new in data:
+                raise ConfigError(f"{section}.{old} and {section}.{new} are the same setting; keep {section}.{new}")
+            data[new] = data.pop(old)
+    return data
+
+
 def set_dotted(raw: dict, dotted: str, value: object, prefix: str = "") -> None:
     keys = dotted.split(".")
     node = raw

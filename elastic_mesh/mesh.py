@@ -19,8 +19,9 @@ from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from elastic_mesh.cli import renamed_keys
 from elastic_mesh.control.client import (
     CoordinatorClient,
     CoordinatorError,
@@ -56,9 +57,9 @@ class MeshConfig(BaseModel):
     barrier_timeout_s: float = Field(3600.0, gt=0, description="Longest wait at a round's barrier.")
     interface: str | None = Field(None, description="Network interface the global groups use (e.g. eth0); "
                                   "None: the address the host name resolves to.")
-    snapshot_port: int = Field(0, ge=0, le=65535, description="First port of the snapshot servers (local rank r "
-                               "listens on snapshot_port + r); 0: any free port.")
-    snapshot_keep: int = Field(8, ge=1, description="Committed rounds whose update each node keeps "
+    server_port: int = Field(0, ge=0, le=65535, description="First port of the transfer servers peers fetch a "
+                             "node's state from (local rank r listens on server_port + r); 0: any free port.")
+    keep_rounds: int = Field(8, ge=1, description="Committed rounds whose update each node keeps "
                                "for peers that are behind (they replay instead of fetching the whole state).")
     fetch_timeout_s: float = Field(60.0, gt=0, description="Timeout of one chunk request to a peer.")
     streams_per_peer: int = Field(1, ge=1, le=16, description="TCP connections per peer pair for the "
@@ -76,9 +77,17 @@ class MeshConfig(BaseModel):
                                 "within each piece and after a loss (worst second of one paced all-reduce at "
                                 "0.1% loss: 1.29x the average, 1.38x with the token bucket alone). Off: the "
                                 "token bucket alone.")
-    snapshot_chunk_bytes: int = Field(4 << 20, ge=4096, le=1 << 30, description="Bytes per snapshot chunk, the "
+    chunk_bytes: int = Field(4 << 20, ge=4096, le=1 << 30, description="Bytes per chunk of what a node serves, the "
                                       "unit a joiner verifies and spreads over its sources (smaller: more sources "
                                       "share a small model's state; larger: fewer requests).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        return renamed_keys(data, MESH_RENAMES, "mesh")
+
+
+MESH_RENAMES = {"snapshot_port": "server_port", "snapshot_keep": "keep_rounds", "snapshot_chunk_bytes": "chunk_bytes"}
 
 
 def node_hash(local_digest: bytes, group: dist.ProcessGroup | None = None) -> str:
@@ -113,7 +122,7 @@ class ElasticDeviceMesh:
         self.links = LinkEstimates()
         self._local_group: dist.ProcessGroup | None = None  # None: the default (local) group
         # Every local rank serves its own part of the state; the key arrives with the join answer.
-        port = config.snapshot_port + self.local_rank if config.snapshot_port else 0
+        port = config.server_port + self.local_rank if config.server_port else 0
         self.server = ChunkServer("0.0.0.0", port, key="", keep=serves)
         self.node_facts = {**node_facts, "server_ports": self.gather(self.server.port)}
         if self.identity is not None:
@@ -284,7 +293,7 @@ class ElasticDeviceMesh:
         """Serves `tensors` to peers as `version` of `kind` (one of the kinds this node serves), laid out
         and hashed when a peer first asks (transfer/chunks.py's Deferred: copies that nothing writes
         again). transform: rewrites the laid-out bytes once (where a fault injector corrupts them)."""
-        self.server.publish(Deferred(version, tensors, meta, self.config.snapshot_chunk_bytes, transform), kind)
+        self.server.publish(Deferred(version, tensors, meta, self.config.chunk_bytes, transform), kind)
 
     def all_reduce(self, plan: RoundPlan, x: torch.Tensor, compression: str, *, valid: bool = True,
                    outlier_factor: float = math.inf, on_phase: Callable[[str], None] | None = None,

@@ -109,7 +109,7 @@ def soak(args) -> dict:
                  "--train.eval_every", "0", "--checkpoint.every", "0", "--chaos.step_delay_s", "0.05",
                  "--mesh.transfer_timeout_s", "10", "--train.log_every", "1000",
                  # the debug model's 1 MB state in 32 chunks, so every source serves some of a joiner's download
-                 "--mesh.snapshot_chunk_bytes", "32768"]
+                 "--mesh.chunk_bytes", "32768"]
     wan = None
     if args.wan:
         from launch.wan.harness import WanTopology

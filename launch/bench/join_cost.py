@@ -32,7 +32,7 @@ def trial(args, corpus: Path) -> dict:
     overrides = ["--data.path", str(corpus), "--train.max_steps", str(args.inner_steps * args.rounds),
                  "--diloco.inner_steps", str(args.inner_steps), "--train.eval_every", "0", "--checkpoint.every", "0",
                  "--train.log_every", "1000", "--diloco.mode", args.mode,
-                 "--mesh.snapshot_chunk_bytes", str(args.chunk_kib << 10)]
+                 "--mesh.chunk_bytes", str(args.chunk_kib << 10)]
     work = (contextlib.nullcontext(tempfile.mkdtemp(prefix="join-cost-", dir=args.keep)) if args.keep
             else tempfile.TemporaryDirectory())
     with work as tmp, LocalCluster(Path(tmp), "configs/debug.toml", overrides,

@@ -59,10 +59,10 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
     if config.checkpoint.every % H:
         raise ValueError(f"checkpoint.every {config.checkpoint.every} is not a multiple of diloco.inner_steps {H}: a "
                          "multi-node node can only be resumed from the end of an outer step")
-    if diloco.fragment_count > mesh_config.snapshot_keep:
-        raise ValueError(f"diloco.fragments {diloco.fragment_count} is over mesh.snapshot_keep "
-                         f"{mesh_config.snapshot_keep}: a node catching up replays up to fragments − 1 updates after "
-                         "the newest whole snapshot; raise mesh.snapshot_keep")
+    if diloco.fragment_count > mesh_config.keep_rounds:
+        raise ValueError(f"diloco.fragments {diloco.fragment_count} is over mesh.keep_rounds "
+                         f"{mesh_config.keep_rounds}: a node catching up replays up to fragments − 1 updates after "
+                         "the newest whole snapshot; raise mesh.keep_rounds")
     outer = OuterOptimizer(local_shards(trainer.model), diloco.outer_lr, diloco.outer_momentum,
                            diloco.fragment_count)
     restored_step = _restore_outer(trainer, outer, diloco.sync_period)
@@ -73,8 +73,8 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
              "state_hash": node_hash(outer.digest()), "address": "", "restored_round": restored_step,
              "work": {"data": data}, "protocol": shared_settings(diloco, mesh_config)}
     # Served to peers that are behind: whole snapshots and inner moments of the newest two outer steps,
-    # and the averaged updates of the last mesh.snapshot_keep, which a node a few steps behind replays.
-    serves = {"snapshot": 2, "update": mesh_config.snapshot_keep, "inner": 2}
+    # and the averaged updates of the last mesh.keep_rounds, which a node a few steps behind replays.
+    serves = {"snapshot": 2, "update": mesh_config.keep_rounds, "inner": 2}
     mesh = ElasticDeviceMesh(mesh_config, token, facts, serves)
     hook = build_outer_loop(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults, restored_step)
     worker = dist.get_rank()

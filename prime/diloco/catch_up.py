@@ -157,7 +157,7 @@ class CatchUp:
                     f"left, or died) and it holds outer step {self.outer_step} of the {sources['committed_round']} "
                     "committed; resume the run from the nodes' checkpoints (--resume) to go on")
             try:
-                if full or sources["committed_round"] - self.outer_step > self.mesh.config.snapshot_keep:
+                if full or sources["committed_round"] - self.outer_step > self.mesh.config.keep_rounds:
                     fetched += self._load_snapshot(sources)
                     full = False
                 return fetched, self._replay(sources)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 
 class DilocoConfig(BaseModel):
@@ -80,9 +83,12 @@ class DilocoConfig(BaseModel):
     @field_validator("eager", mode="before")
     @classmethod
     def _eager_from_bool(cls, value: object) -> object:
-        """`eager = true` (a bool before "mixed" existed) still means this node's own pseudo-gradient."""
+        """`eager = true` (a bool before "mixed" existed) means "own" for this release, with a warning."""
         if isinstance(value, bool) or value in ("true", "false"):
-            return "own" if value in (True, "true") else "off"
+            new = "own" if value in (True, "true") else "off"
+            log.warning("diloco.eager = %s is the old spelling and goes in the next release: write "
+                        "diloco.eager = \"%s\"", str(value).lower(), new)
+            return new
         return value
 
     @model_validator(mode="after")

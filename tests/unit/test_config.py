@@ -25,8 +25,17 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("text, eager", [("true", "own"), ("false", "off"), ("mixed", "mixed"), ("own", "own")])
-def test_eager_takes_its_modes_and_the_old_booleans(text, eager):
+def test_eager_takes_its_modes_and_the_old_booleans(text, eager, caplog):
     assert load_config(REPO / "configs/debug.toml", {"diloco.eager": text}).diloco.eager == eager
+    assert ("goes in the next release" in caplog.text) == (text in ("true", "false"))
+
+
+def test_renamed_mesh_keys_work_this_release_and_say_the_new_name(caplog):
+    config = load_config(REPO / "configs/debug.toml", {"mesh.snapshot_keep": "3", "mesh.snapshot_chunk_bytes": "8192"})
+    assert config.mesh.keep_rounds == 3 and config.mesh.chunk_bytes == 8192
+    assert "mesh.snapshot_keep is the old name and goes in the next release: write mesh.keep_rounds" in caplog.text
+    with pytest.raises(ConfigError, match="mesh.snapshot_keep and mesh.keep_rounds are the same setting"):
+        load_config(REPO / "configs/debug.toml", {"mesh.snapshot_keep": "3", "mesh.keep_rounds": "4"})
 
 
 @pytest.mark.parametrize("overrides, expected", [
