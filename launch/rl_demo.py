@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = reached or evals[-1]
     if not finished:
         print(f"rl-demo: stopped at the time limit ({args.time_limit:.0f} s) before reaching {args.target}", file=sys.stderr)
-    elif reached is not None and shown is not evals[-1]:
+    elif reached is not None and evals[-1]["eval_reward"] < args.target:
         print(f"rl-demo: version {reached['version']} reached {args.target}; the last one evaluated, version "
               f"{evals[-1]['version']}, scored {evals[-1]['eval_reward']:.3f}")
     print(f"rl-demo: held-out reward {evals[0]['eval_reward']:.2f} -> {shown['eval_reward']:.2f} in {elapsed:.0f} s, "
