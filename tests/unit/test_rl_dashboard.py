@@ -11,7 +11,7 @@ from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
 from elastic_mesh.control.token import create_token, read_token
 from elastic_mesh.coordinator.run import make_token, start_coordinator
 from prime.rl.orchestrator.dashboard import PAGES, PATH, RunHistory
-from elastic_mesh.control.http import JsonServer, TokenCheck
+from elastic_mesh.control.http import JsonServer, Route, TokenCheck
 
 
 def test_the_history_keeps_what_the_charts_need_numbered_and_bounded():
@@ -36,7 +36,7 @@ def service(tmp_path):
     own = make_token(tmp_path / "coord", 600, role="worker")
     check = TokenCheck(f"127.0.0.1:{coordinator.port}", read_token(own).run_id)
     routes = {PATH: lambda token, body: {"role": token.role}, "/v1/rl/lease": lambda token, body: {"role": token.role}}
-    server = JsonServer("127.0.0.1", 0, routes, check, read_only=frozenset({PATH}), pages=PAGES)
+    server = JsonServer("127.0.0.1", 0, {**routes, PATH: Route(routes[PATH], read_only=True)}, check, pages=PAGES)
     server.start()
     yield server, tmp_path
     server.stop()

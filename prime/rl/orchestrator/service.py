@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mesh import BroadcastMember, JsonServer, Refused, TokenCheck
+from elastic_mesh import BroadcastMember, JsonServer, Refused, Route, TokenCheck
 from prime.rl.environments import build_environment
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
@@ -28,6 +28,15 @@ from prime.rl.orchestrator.versions import FollowedVersions
 from prime.rl.transport.policy_files import POLICY_KIND, policy_broadcast_settings
 
 log = logging.getLogger("prime.rl.orchestrator")
+
+
+def submission_limit(config: OrchestratorConfig) -> int:
+    """The most bytes a lease's submission may take: every rollout at max_tokens, each token as its id
+    and logprob in JSON (~40 bytes, generously), its proof in base64 (258 bytes per 32 tokens), twice
+    over; a body beyond it is refused before it is read."""
+    rollouts = config.prompts_per_lease * config.group_size
+    per_rollout = 512 + config.max_tokens * 40 + 4 * 258 * -(-config.max_tokens // 32) // 3 + 64
+    return 2 * (4096 + rollouts * per_rollout)
 
 
 class RunRecords:
@@ -103,14 +112,15 @@ class OrchestratorService:
                 evaluations.todo.put(version)
         versions.on_new = new_version
         check = TokenCheck.for_token(token)
-        server = JsonServer(host, port, cls._routes(orchestrator, versions, records), check,
-                            read_only=frozenset({DASHBOARD}), pages=PAGES)
-        server.tls = member.server.tls  # where the run speaks TLS: the certificate the coordinator gave this member
+        # tls: where the run speaks TLS, the certificate the coordinator gave this member
+        server = JsonServer(host, port, cls._routes(config, orchestrator, versions, records), check, pages=PAGES,
+                            tls=member.server.tls)
         return cls(config, orchestrator, versions, member, server, evaluations, records, run_dir,
                    f"{advertise_host or '127.0.0.1'}:{server.port}")
 
     @staticmethod
-    def _routes(orchestrator: Orchestrator, versions: FollowedVersions, records: RunRecords) -> dict:
+    def _routes(config: OrchestratorConfig, orchestrator: Orchestrator, versions: FollowedVersions,
+                records: RunRecords) -> dict[str, Route]:
         def trusted(token) -> None:
             if not token.publish:
                 raise Refused(403, f"token {token.token_id} may not act as the trainer (no publish right)")
@@ -135,15 +145,18 @@ class OrchestratorService:
                 raise Refused(403, f"a {token.role} token cannot take rollout work; ask for a worker token")
             return orchestrator.lease(token.token_id, int(body.get("held", -1)))
 
-        return {"/v1/rl/lease": lease,
-                "/v1/rl/submit": lambda t, b: orchestrator.submit(t.token_id, b),
-                "/v1/rl/give-back": lambda t, b: orchestrator.give_back(t.token_id, b),
-                "/v1/rl/batch": batch,
-                "/v1/rl/finish": finish,
-                "/v1/rl/status": lambda t, b: {"status": "ok", "next_step": orchestrator.next_step,
-                                               "newest": versions.newest, "leases": orchestrator.leases_by_worker(),
-                                               **orchestrator.totals()},
-                DASHBOARD: lambda t, b: dashboard_answer(orchestrator, records.history, b)}
+        small = 4 << 10  # a lease request, a give-back, a batch request: a few fields
+        return {"/v1/rl/lease": Route(lease, small),
+                "/v1/rl/submit": Route(lambda t, b: orchestrator.submit(t.token_id, b), submission_limit(config)),
+                "/v1/rl/give-back": Route(lambda t, b: orchestrator.give_back(t.token_id, b), small),
+                "/v1/rl/batch": Route(batch, small),
+                "/v1/rl/finish": Route(finish, small),
+                "/v1/rl/status": Route(lambda t, b: {"status": "ok", "next_step": orchestrator.next_step,
+                                                     "newest": versions.newest,
+                                                     "leases": orchestrator.leases_by_worker(),
+                                                     **orchestrator.totals()}, small),
+                DASHBOARD: Route(lambda t, b: dashboard_answer(orchestrator, records.history, b), small,
+                                 read_only=True)}
 
     def run(self) -> int:
         """Serves until the trainer finishes (or stop_at_reward is reached); writes summary.json; 0."""

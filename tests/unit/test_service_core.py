@@ -1,0 +1,168 @@
+"""The hardened HTTP core (elastic_mesh/control/service.py, http.py) as an attacker meets it: real
+sockets, a real coordinator confirming tokens, no token needed for most attacks."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
+from elastic_mesh.control.http import JsonServer, Refused, Route, TokenCheck
+from elastic_mesh.control.service import ServiceLimits, printable
+from elastic_mesh.control.token import read_token
+from elastic_mesh.coordinator.run import make_token, revoke_token, start_coordinator
+
+
+@pytest.fixture()
+def run(tmp_path):
+    coordinator = start_coordinator(tmp_path / "coord")
+    worker = make_token(tmp_path / "coord", 600, role="worker")
+    yield coordinator, worker, tmp_path
+    coordinator.stop()
+
+
+def serve(coordinator, worker, **limits) -> JsonServer:
+    check = TokenCheck(f"127.0.0.1:{coordinator.port}", read_token(worker).run_id)
+    routes = {"/v1/echo": Route(lambda token, body: {"token": token.token_id, "keys": sorted(body)}, max_body=1024)}
+    server = JsonServer("127.0.0.1", 0, routes, check, limits=ServiceLimits(**limits))
+    server.start()
+    return server
+
+
+def raw(server: JsonServer, request: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+    """What the server answers to these bytes, and how long it took."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
+        s.sendall(request)
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer and b"Content-Length" in answer:
+                    head, _, body = answer.partition(b"\r\n\r\n")
+                    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    if len(body) >= length:
+                        break
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return answer, time.monotonic() - started
+
+
+def test_a_huge_body_is_refused_from_its_headers_before_a_byte_of_it_is_read(run):
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker)
+    try:
+        huge = b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 62914560\r\n\r\n"  # 60 MB promised, none sent
+        answer, took = raw(server, huge)
+        assert answer.startswith(b"HTTP/1.1 401") and took < 2, (answer[:200], took)
+        with_token = huge.replace(b"Host: x", b"Host: x\r\nAuthorization: Bearer " + worker.encode())
+        answer, took = raw(server, with_token)
+        assert answer.startswith(b"HTTP/1.1 413") and b"limit of 1024" in answer and took < 5, answer[:300]
+        assert CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker).post("/v1/echo", {"a": 1}) == \
+            {"token": read_token(worker).token_id, "keys": ["a"]}
+    finally:
+        server.stop()
+
+
+def test_idle_connections_over_the_caps_are_closed_at_once_and_the_idle_ones_reaped(run):
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker, max_connections=6, max_connections_per_peer=4, idle_timeout_s=1.0,
+                   read_timeout_s=1.0)
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # over the per-peer cap: closed before a byte is read
+        extra.close()
+        assert server.guard.refused >= 1 and server.guard.open == 4
+        time.sleep(2.5)  # idle past idle_timeout_s: closed (a read that waits that long ends the handler)
+        assert server.guard.open == 0
+        assert CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker).post("/v1/echo", {}) == \
+            {"token": read_token(worker).token_id, "keys": []}
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+
+
+def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(run):
+    """Each byte comes well within the socket's idle time-out: only the request's deadline stops it."""
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker, idle_timeout_s=0.5, read_timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            try:
+                for byte in b"POST /v1/echo HTTP/1.1\r\nHost: a-very-slow-client\r\n":
+                    s.send(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:
+                pass  # the server shut the connection
+            cut = time.monotonic() - started
+        assert cut < 3.0, cut  # 50 bytes at 0.1 s would take 5 s
+        assert server.guard.reaped == 1
+    finally:
+        server.stop()
+
+
+def test_a_tokens_rate_is_bounded(run):
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker, requests_per_s=1.0, burst=5)
+    client = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker)
+    try:
+        statuses = []
+        for _ in range(8):
+            try:
+                client.post("/v1/echo", {}, retry=False)
+                statuses.append(200)
+            except CoordinatorError as e:
+                statuses.append(e.status)
+        assert statuses[:5] == [200] * 5 and 429 in statuses[5:], statuses
+    finally:
+        server.stop()
+
+
+def test_a_revoked_token_is_refused_within_two_seconds(run):
+    coordinator, worker, tmp_path = run
+    server = serve(coordinator, worker)
+    client = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker)
+    try:
+        client.post("/v1/echo", {})
+        revoke_token(tmp_path / "coord", read_token(worker).token_id)
+        revoked = time.monotonic()
+        while True:
+            try:
+                client.post("/v1/echo", {}, retry=False)
+            except CoordinatorError as e:
+                assert e.status == 403
+                break
+            assert time.monotonic() - revoked < 2.5, "a revoked token still served"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def test_a_flood_of_one_forged_token_asks_the_coordinator_once_per_recheck(run, monkeypatch):
+    coordinator, worker, _ = run
+    check = TokenCheck(f"127.0.0.1:{coordinator.port}", read_token(worker).run_id, recheck_s=2.0)
+    asked = []
+    real = check._confirm
+
+    def counting(text, read_only):
+        asked.append(text)
+        return real(text, read_only)
+    monkeypatch.setattr(check, "_confirm", counting)
+    forged = "Bearer " + worker[:-3] + ("AAA" if not worker.endswith("AAA") else "BBB")
+    for _ in range(50):
+        with pytest.raises(Refused):
+            check(forged)
+    assert len(asked) == 1
+
+
+def test_what_a_client_sent_cannot_forge_a_log_line():
+    assert printable("give back\n12:00:00 [orchestrator] worker w2 evicted") == \
+        "give back\\n12:00:00 [orchestrator] worker w2 evicted"
+    assert printable("x" * 300, 10) == "x" * 10 + "…"
