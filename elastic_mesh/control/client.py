@@ -113,6 +113,12 @@ class CoordinatorClient:
                 return self._answer("POST", path, data, headers)
             except TLSError as e:  # not the coordinator the token names: retrying would not change that
                 raise CoordinatorError(str(e)) from None
+            except CoordinatorError as e:
+                # 429: this token asked faster than the service's rate; it said to come back in a second.
+                if e.status != 429 or time.monotonic() + 1.0 > give_up:
+                    raise
+                log.warning("%s %s: %s; asking again in 1 s", self.address, path, e)
+                time.sleep(1.0)
             except (http.client.HTTPException, OSError) as e:
                 if time.monotonic() > give_up:
                     raise CoordinatorError(f"coordinator {self.address} unreachable for {self.retry_s:.0f} s "

@@ -147,7 +147,6 @@ class _Handler(HardenedHandler):
     def do_POST(self):
         route = self.server.routes.get(self.path)
         if route is None:
-            self.close_connection = True  # its body is not read
             return self.reply(404, {"error": f"no such endpoint {printable(self.path, 100)}"})
         try:
             token = self.server.check(self.headers.get("Authorization", ""), read_only=route.read_only)

@@ -200,12 +200,14 @@ class HardenedHandler(BaseHTTPRequestHandler):
     # until the headers are acknowledged: one more round trip per answer on a kept connection.
     disable_nagle_algorithm = True
     server: HardenedServer
+    body_read = False  # whether this request's body was read (else an answer closes the connection)
 
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.limits.idle_timeout_s)
 
     def handle_one_request(self) -> None:
+        self.body_read = False
         limits = self.server.limits
         # Idle up to idle_timeout_s, then the whole request (line, headers) within read_timeout_s.
         self.server.guard.arm(self.connection, limits.idle_timeout_s + limits.read_timeout_s)
@@ -225,6 +227,10 @@ class HardenedHandler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         for name, value in (headers or {}).items():
             self.send_header(name, value)
+        if not self.body_read and self.headers.get("Content-Length", "0") not in ("", "0"):
+            # Answered without reading the body (refused from the headers): its bytes still sit in the
+            # stream, where the next request would be read from. The connection ends with this answer.
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -236,13 +242,13 @@ class HardenedHandler(BaseHTTPRequestHandler):
         except ValueError:
             raise BodyRefused(400, "bad Content-Length") from None
         if length < 0 or length > limit:
-            self.close_connection = True  # its body is not read: the connection cannot carry another request
             raise BodyRefused(413, f"a request of {length} bytes is over this endpoint's limit of {limit}")
         self.server.guard.arm(self.connection, self.server.limits.read_timeout_s)
         try:
             data = self.rfile.read(length) if length else b""
         finally:
             self.server.guard.disarm(self.connection)
+        self.body_read = True
         if len(data) < length:
             self.close_connection = True
             raise BodyRefused(400, "the body ended before its Content-Length")

@@ -6,6 +6,8 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from elastic_mesh.control.service import ServiceLimits
+
 
 class CoordinatorConfig(BaseModel):
     """Time-outs and limits of the control plane."""
@@ -26,6 +28,10 @@ class CoordinatorConfig(BaseModel):
                                 "(signed manifests and holders); older ones are forgotten.")
     holder_ttl_s: float = Field(10.0, gt=0, description="A broadcast holder that has not renewed its `have` for "
                                 "this long is no longer named as a source.")
+    service: ServiceLimits = Field(default_factory=lambda: ServiceLimits(max_connections=768,
+                                                                         max_connections_per_peer=128),
+                                   description="What one client may take of the coordinator's HTTP: connections "
+                                   "per address and in all, time-outs, a token's request rate.")
     lease_only: bool = Field(False, description="Declare a node dead only when its lease runs out. By default "
                              "a node is also declared dead as soon as its lifeline connection closes without a "
                              "leave (the kernel closes a killed process's connections at once); silence (a "

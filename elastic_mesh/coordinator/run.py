@@ -57,8 +57,9 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
     if run_id and existing and run_id != existing:
         raise ValueError(f"{state_dir} holds run {existing!r}, not {run_id!r}; use another --state-dir")
     run_id = existing or run_id or f"run-{secrets.token_hex(4)}"
+    config = config or CoordinatorConfig()
     placeholder = Coordinator.__new__(Coordinator)  # the server needs a coordinator before the port is known
-    server = CoordinatorServer(host, port, placeholder)
+    server = CoordinatorServer(host, port, placeholder, config.service)
     if advertise is None:
         # Listening on all interfaces says nothing about which address other machines can reach;
         # production passes --advertise, the single-machine default is loopback.
@@ -66,7 +67,7 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
         advertise = f"{visible}:{server.port}"
     tls = not is_loopback(advertise) if tls is None else tls
     authority = RunAuthority.load_or_create(state_dir, run_id, advertise.rsplit(":", 1)[0]) if tls else None
-    server.coordinator = Coordinator(state, _secret(state_dir), run_id, config or CoordinatorConfig(), advertise,
+    server.coordinator = Coordinator(state, _secret(state_dir), run_id, config, advertise,
                                      run_signer(state_dir), authority)
     mark = state_dir / TLS_MARK
     if authority is not None:

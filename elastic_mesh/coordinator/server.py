@@ -1,25 +1,23 @@
-"""HTTP front of the coordinator: JSON in, JSON out, every request but join authenticated; the dashboard at `/`.
-
-Nothing is unpickled; bodies are size-limited; every socket has a read timeout so a silent client
-cannot hold a thread for ever, except each admitted node's one lifeline (a newer one replaces it).
+"""HTTP front of the coordinator: JSON in, JSON out, every request but join authenticated (from its
+headers, before its body is read); the dashboard at `/`. It stands on the hardened core
+(control/service.py): connections capped per peer and in total, every request under a deadline (but
+each admitted node's one lifeline, held open on purpose; a newer one replaces it), bodies size-limited,
+a token's broadcast requests rate-limited. Nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import socket
-import ssl
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from elastic_mesh.control.lifeline import PATH as LIFELINE
 from elastic_mesh.control.lifeline import REPLACED
-from elastic_mesh.control.tls import accept
+from elastic_mesh.control.service import BodyRefused, HardenedHandler, HardenedServer, ServiceLimits, printable
 from elastic_mesh.coordinator.config import Refused
 from elastic_mesh.coordinator.core import Coordinator
 
@@ -36,27 +34,14 @@ DASHBOARD_FILES = {
 }
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: "CoordinatorServer"
-    timeout = 30  # seconds a client may take to send its request (or keep an idle connection)
-    protocol_version = "HTTP/1.1"
-    # The headers and the body of an answer go out as two writes. With Nagle's algorithm the body waits
-    # until the headers are acknowledged: one more round trip per answer on a kept connection.
-    disable_nagle_algorithm = True
+class _Handler(HardenedHandler):
+    """The hardened core's handler (control/service.py): deadlines, caps, the route and the caller
+    known from the headers before a byte of the body is read."""
 
-    def log_message(self, fmt, *args):  # the default writes every request to stderr
-        log.debug("%s %s", self.address_string(), fmt % args)
+    server: "CoordinatorServer"
 
     def _reply(self, status: int, body: dict) -> None:
-        self._send(status, "application/json", json.dumps(body).encode())
-
-    def _send(self, status: int, content_type: str, data: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(status, body)
 
     def do_GET(self):
         url = urlsplit(self.path)
@@ -64,9 +49,9 @@ class _Handler(BaseHTTPRequestHandler):
         if page is not None:
             # The page itself holds no data; what it shows comes from /status and /v1/history, which check
             # the token the page sends (taken from the URL's #fragment, which never reaches a server).
-            return self._send(200, page[1], (DASHBOARD_DIR / page[0]).read_bytes())
+            return self.send_bytes(200, (DASHBOARD_DIR / page[0]).read_bytes(), page[1])
         if url.path.rstrip("/") not in ("/status", "/v1/status", "/v1/history"):
-            return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+            return self._reply(404, {"error": f"no such endpoint {printable(self.path, 100)}"})
         coordinator = self.server.coordinator
         if not coordinator.may_read_status(self.headers.get("Authorization", ""),
                                            self.headers.get("X-Prime-Node", ""),
@@ -84,35 +69,32 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         coordinator = self.server.coordinator
+        if self.path not in _ROUTES:
+            return self._reply(404, {"error": f"no such endpoint {printable(self.path, 100)}"})
+        limit = coordinator.config.max_request_bytes
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            return self._reply(400, {"error": "bad Content-Length"})
-        if length < 0 or length > coordinator.config.max_request_bytes:
-            self.close_connection = True
-            return self._reply(413, {"error": f"request of {length} bytes is over the limit of "
-                                              f"{coordinator.config.max_request_bytes}"})
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("body is not a JSON object")
-            if self.path not in _ROUTES:
-                return self._reply(404, {"error": f"no such endpoint {self.path[:100]}"})
+            # Who asks is known from the headers before a byte of the body is read.
             if self.path == "/v1/join":
-                return self._reply(200, coordinator.join(body, peer=self.client_address[0]))
+                return self._reply(200, coordinator.join(self.read_body(limit), peer=self.client_address[0]))
             if self.path.startswith(BROADCAST):
                 token = coordinator.authorize(self.headers.get("Authorization", ""), "broadcast")
+                if not self.server.rates.allow(token.token_id):
+                    raise Refused(429, f"token {token.token_id} is over its request rate; slow down")
+                body = self.read_body(limit)
                 return self._reply(200, _BROADCAST_ROUTES[self.path](coordinator, token, body, self.client_address[0]))
             node = coordinator.authenticate(self.headers.get("X-Prime-Node", ""),
                                             self.headers.get("X-Prime-Session", ""))
+            body = self.read_body(limit)
             if self.path == LIFELINE:
                 return self._hold_lifeline(coordinator, node)
             self._reply(200, _ROUTES[self.path](coordinator, node, body))
         except Refused as e:
+            self.close_connection = self.close_connection or e.status in (401, 403, 429)
+            self._reply(e.status, {"error": str(e)})
+        except BodyRefused as e:
             self._reply(e.status, {"error": str(e)})
         except (ValueError, KeyError, TypeError) as e:
-            self._reply(400, {"error": f"malformed request: {type(e).__name__}: {str(e)[:200]}"})
-
+            self._reply(400, {"error": f"malformed request: {type(e).__name__}: {printable(e)}"})
 
     def _hold_lifeline(self, coordinator: Coordinator, node) -> None:
         """Answers, then holds the connection until the node's end closes (control/lifeline.py)."""
@@ -124,6 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.close_connection = True
         conn, lifelines = self.connection, self.server.lifelines
+        self.server.guard.disarm(conn)  # held open on purpose: only its close matters
         replaced = threading.Event()
         with self.server.lifelines_lock:
             older = lifelines.get(node.node_id)
@@ -266,15 +249,10 @@ _BROADCAST_ROUTES = {
 _ROUTES.update(dict.fromkeys(_BROADCAST_ROUTES))
 
 
-class CoordinatorServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, host: str, port: int, coordinator: Coordinator) -> None:
-        super().__init__((host, port), _Handler)
+class CoordinatorServer(HardenedServer):
+    def __init__(self, host: str, port: int, coordinator: Coordinator, limits: ServiceLimits) -> None:
+        super().__init__((host, port), _Handler, limits)
         self.coordinator = coordinator
-        self.tls: ssl.SSLContext | None = None  # set before start(): every connection speaks TLS
         # node_id -> its lifeline connection, held open, and the flag that tells its thread it was replaced
         self.lifelines: dict[str, tuple[socket.socket, threading.Event]] = {}
         self.lifelines_lock = threading.Lock()
@@ -282,21 +260,9 @@ class CoordinatorServer(ThreadingHTTPServer):
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="coordinator-tick")
         self._stop = threading.Event()
 
-    @property
-    def port(self) -> int:
-        return self.server_address[1]
-
-    def get_request(self):
-        conn, address = self.socket.accept()
-        return accept(conn, self.tls), address
-
-    def handle_error(self, request, client_address) -> None:
-        # A client that does not speak TLS to a TLS coordinator, or hangs up mid-request: its problem.
-        log.debug("request from %s failed", client_address, exc_info=True)
-
     def start(self) -> None:
         self._ticker.start()
-        threading.Thread(target=self.serve_forever, daemon=True, name="coordinator-http").start()
+        super().start("coordinator-http")
 
     def _tick(self) -> None:
         while not self._stop.wait(0.25):
@@ -308,8 +274,7 @@ class CoordinatorServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self._stop.set()
         self.stopping.set()
-        self.shutdown()
-        self.server_close()
+        super().stop()
         with self.lifelines_lock:  # the nodes re-open theirs against the next coordinator
             for conn, _ in self.lifelines.values():
                 _close(conn)

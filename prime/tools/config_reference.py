@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from elastic_mesh import BroadcastSettings, CoordinatorConfig
+from elastic_mesh import BroadcastSettings, CoordinatorConfig, ServiceLimits
 from prime.config import JobConfig
 from prime.inference.sampling import SamplingParams
 from prime.rl.environments.math_answers import MathConfig
@@ -84,6 +84,9 @@ def generate() -> str:
     out += ["### Coordinator (`python -m elastic_mesh.coordinator serve`)", "",
             (CoordinatorConfig.__doc__ or "").strip(), ""]
     out += _table(CoordinatorConfig, lambda name: f"--{name}") + [""]
+    out += ["#### `service.*` (ServiceLimits; the coordinator's, and the RL orchestrator's `service.*` alike)", "",
+            (ServiceLimits.__doc__ or "").strip(), ""]
+    out += _table(ServiceLimits, lambda name: f"--service.{name}") + [""]
     out += ["### Broadcast members (`python -m elastic_mesh.broadcast {publish,fetch,relay}`)", "",
             (BroadcastSettings.__doc__ or "").strip(), ""]
     out += _table(BroadcastSettings, lambda name: f"--{name}") + [""]

@@ -8,6 +8,7 @@ import copy
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -114,8 +115,14 @@ def test_leases_batches_and_returned_work(policy):
     assert len(numbers) == 8  # every prompt in at most one batch...
     assert orchestrator.batch(1) is orchestrator.batches[1]  # ...and a batch asked again is the same batch
     assert [e["step"] for e in events if e["event"] == "batch"] == [0, 1]
-    # async level 1: the next batch is step 2, so version 0 can no longer serve it
-    assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 0}
+    # async level 1: the next batch is step 2, so version 0 can no longer serve it; the worker holds the
+    # newest version this side heard of, so it is held here until a newer one is announced (poll_s), not
+    # told to fetch what it holds (it would ask again at once: CI saw 200 requests in 0.1 s)
+    asked = time.monotonic()
+    assert orchestrator.lease("w1", held=0) == {"status": "wait"}
+    assert time.monotonic() - asked >= 0.5
+    versions.add(1, copy.deepcopy(versions.model(0)))
+    assert orchestrator.lease("w1", held=0) == {"status": "fetch", "version": 1}
 
 
 def test_a_batch_says_where_its_time_went(policy):

@@ -66,6 +66,29 @@ def test_a_huge_body_is_refused_from_its_headers_before_a_byte_of_it_is_read(run
         server.stop()
 
 
+def test_a_request_refused_before_its_body_is_read_ends_its_connection(run):
+    """A refusal from the headers leaves the body's bytes in the stream: on a kept connection they would
+    be read as the next request (a 400 the client cannot explain; a node declared dead met exactly that
+    when it joined again). The answer says Connection: close, and the client's next request goes out
+    on a new connection."""
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker)
+    try:
+        body = b'{"lease": "x"}'
+        refused = b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        answer, _ = raw(server, refused + b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer, answer[:300]
+        assert answer.count(b"HTTP/1.1") == 1, answer  # the second request was never read from the body's bytes
+        client = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer="garbage")
+        with pytest.raises(CoordinatorError) as refusal:
+            client.post("/v1/echo", {"a": 1}, retry=False)
+        assert refusal.value.status == 403
+        client.bearer = worker  # the same client, its next request: answered, not a 400 from stale bytes
+        assert client.post("/v1/echo", {"a": 1}, retry=False)["keys"] == ["a"]
+    finally:
+        server.stop()
+
+
 def test_idle_connections_over_the_caps_are_closed_at_once_and_the_idle_ones_reaped(run):
     coordinator, worker, _ = run
     server = serve(coordinator, worker, max_connections=6, max_connections_per_peer=4, idle_timeout_s=1.0,
@@ -121,6 +144,10 @@ def test_a_tokens_rate_is_bounded(run):
             except CoordinatorError as e:
                 statuses.append(e.status)
         assert statuses[:5] == [200] * 5 and 429 in statuses[5:], statuses
+        # A client that may retry is told 429 and comes back after the second the server asked for.
+        asked = time.monotonic()
+        assert client.post("/v1/echo", {"again": 1})["keys"] == ["again"]
+        assert time.monotonic() - asked >= 0.9
     finally:
         server.stop()
 
@@ -166,3 +193,30 @@ def test_what_a_client_sent_cannot_forge_a_log_line():
     assert printable("give back\n12:00:00 [orchestrator] worker w2 evicted") == \
         "give back\\n12:00:00 [orchestrator] worker w2 evicted"
     assert printable("x" * 300, 10) == "x" * 10 + "…"
+
+
+def test_the_coordinator_stands_on_the_same_core(tmp_path):
+    """A stranger's 60 MB promise to a node route is refused from its headers; connections over the
+    coordinator's per-peer cap are closed at once; a node's own requests go on."""
+    from elastic_mesh.coordinator.config import CoordinatorConfig
+
+    coordinator = start_coordinator(tmp_path / "coord", config=CoordinatorConfig(
+        service=ServiceLimits(max_connections_per_peer=6, max_connections=8)))
+    try:
+        huge = b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 62914560\r\n\r\n"
+        answer, took = raw(coordinator, huge)
+        assert answer.startswith(b"HTTP/1.1 401") and took < 2, (answer[:200], took)
+        held = [socket.create_connection(("127.0.0.1", coordinator.port)) for _ in range(6)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", coordinator.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b"" and coordinator.guard.refused >= 1
+        for s in held:
+            s.close()
+        extra.close()
+        time.sleep(0.5)
+        status = CoordinatorClient(f"127.0.0.1:{coordinator.port}", 10, 5).get_status(
+            make_token(tmp_path / "coord", 600, role="observer"))
+        assert "run_id" in status
+    finally:
+        coordinator.stop()

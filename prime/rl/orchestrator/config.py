@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from elastic_mesh import ServiceLimits
+
 from prime.rl.environments import EnvConfig
 from prime.rl.environments.reverse import ReverseConfig
 from prime.rl.environments.terms import RewardTerms
@@ -47,3 +49,6 @@ class OrchestratorConfig(BaseModel):
     stop_at_reward: float | None = Field(None, gt=0, le=1, description="End the run once a held-out eval reaches this.")
     verify_batch_size: int = Field(64, ge=1, description="Rollouts per verification prefill.")
     poll_s: float = Field(10.0, gt=0, description="Longest a lease or batch request waits before answering 'wait'.")
+    service: ServiceLimits = Field(default_factory=ServiceLimits, description="What one client may take of the "
+                                   "orchestrator's HTTP: connections per address and in all, time-outs, a token's "
+                                   "request rate.")

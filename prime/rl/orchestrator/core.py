@@ -109,7 +109,11 @@ class Orchestrator:
                 # Announced, not loaded: a worker that got a version first need not wait for this side's
                 # own download to be given work; only the verification of its rollouts waits for it.
                 newest = self.versions.announced
-                if newest >= 0 and (held < 0 or held < max(newest - self.config.async_level, self.oldest_usable)):
+                # A worker already at the newest version this side heard of waits here for the next one
+                # (next_step can run ahead of the announcements this side has heard): told to fetch what it
+                # holds, it would ask again at once, hundreds of times a second.
+                if newest >= 0 and (held < 0 or held < max(newest - self.config.async_level, self.oldest_usable)) \
+                        and held < newest:
                     return {"status": "fetch", "version": newest}
                 # Prompts are tokenized with the tokenizer of the first version loaded here; held > newest:
                 # a version not announced here yet.

@@ -114,7 +114,7 @@ class OrchestratorService:
         check = TokenCheck.for_token(token)
         # tls: where the run speaks TLS, the certificate the coordinator gave this member
         server = JsonServer(host, port, cls._routes(config, orchestrator, versions, records), check, pages=PAGES,
-                            tls=member.server.tls)
+                            limits=config.service, tls=member.server.tls)
         return cls(config, orchestrator, versions, member, server, evaluations, records, run_dir,
                    f"{advertise_host or '127.0.0.1'}:{server.port}")
 

@@ -127,8 +127,9 @@ class InferenceWorker:
 
     def _fetch(self, version: int) -> None:
         """Told to hold a newer version before more work."""
-        if self.held.newest >= version:  # the orchestrator has not seen what the follower loaded
-            return  # the next lease names the newer version; the orchestrator waits for it too
+        if self.held.newest >= version:  # the orchestrator answered before it heard what the follower loaded
+            time.sleep(0.2)  # the next lease names the newer version; never a loop of instant answers
+            return
         log.info("told to fetch version %d (holding %d)", version, self.held.newest)
         fetching = time.monotonic()
         try:
