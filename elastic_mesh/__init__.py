@@ -41,6 +41,7 @@ _PUBLIC = {
     "Refused": "elastic_mesh.control.http",
     "Route": "elastic_mesh.control.http",
     "ServiceLimits": "elastic_mesh.control.service",
+    "printable": "elastic_mesh.control.service",
     "DASHBOARD_DIR": "elastic_mesh.coordinator.server",
     # the one command-line dialect of every entry point
     "CommandLine": "elastic_mesh.cli",
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from elastic_mesh.cli import CommandLine, ConfigError, Flag, Positional, load_config_file
     from elastic_mesh.control.client import CoordinatorClient, CoordinatorError
     from elastic_mesh.control.http import JsonServer, Refused, Route, TokenCheck
-    from elastic_mesh.control.service import ServiceLimits
+    from elastic_mesh.control.service import ServiceLimits, printable
     from elastic_mesh.control.process_tree import kill_tree
     from elastic_mesh.coordinator.config import CoordinatorConfig
     from elastic_mesh.coordinator.leases import WorkLedger
