@@ -27,6 +27,7 @@ from prime.rl.environments.reverse import ReverseConfig
 from prime.rl.environments.terms import RewardTerms
 from prime.rl.grpo import GRPOConfig
 from prime.rl.orchestrator.config import OnlineFilter, OrchestratorConfig
+from prime.rl.orchestrator.shares import LeaseShares
 from prime.rl.trainer.config import RLTrainerConfig
 from prime.rl.worker.config import WorkerConfig
 from prime.chaos.faults import PREFIX, FaultConfig
@@ -107,7 +108,7 @@ def generate() -> str:
             (OrchestratorConfig.__doc__ or "The orchestrator's settings.").strip(), ""]
     out += _table(OrchestratorConfig, lambda name: f"--{name}") + [""]
     for prefix, model in (("env", ReverseConfig), ("env", ReasoningGymConfig), ("env", MathConfig),
-                          ("reward_terms", RewardTerms), ("filter", OnlineFilter)):
+                          ("reward_terms", RewardTerms), ("filter", OnlineFilter), ("shares", LeaseShares)):
         out += [f"#### `{prefix}.*` ({model.__name__})", "", (model.__doc__ or "").strip().splitlines()[0], ""]
         out += _table(model, lambda name, p=prefix: f"--{p}.{name}") + [""]
     out += ["### RL trainer (`python -m prime.rl.trainer --FIELD VALUE` or `--config FILE.toml`)", "",

@@ -71,8 +71,8 @@ class LocalVersions:
 def _orchestrator(policy, **settings) -> tuple[Orchestrator, LocalVersions, list[dict]]:
     versions = LocalVersions(policy)
     versions.add(0, load_hf_policy(policy))
-    config = OrchestratorConfig(env=ReverseConfig(), group_size=4, prompts_per_step=4, prompts_per_lease=2,
-                                poll_s=0.5, **settings)
+    config = OrchestratorConfig(**{"env": ReverseConfig(), "group_size": 4, "prompts_per_step": 4,
+                                   "prompts_per_lease": 2, "poll_s": 0.5, **settings})
     events: list[dict] = []
     return Orchestrator(config, ReverseDigits(config.env), versions, events.append), versions, events
 
@@ -172,6 +172,10 @@ def test_a_cheating_worker_is_evicted_and_none_of_its_rollouts_enters_a_batch(po
         orchestrator.lease("rogue", held=0)
     with pytest.raises(Refused, match="evicted"):
         orchestrator.submit("rogue", _work(orchestrator, versions, pending))
+    assert [e["worker"] for e in events if e["event"] == "evicted"] == ["rogue"]
+    # a second submission verified beside the first (CI saw two) rejects its rollouts, evicts nobody again
+    orchestrator._evict_worker("rogue", 8, "16 of 16 rollouts failed verification")
+    assert orchestrator.counters.workers_evicted == 1 and orchestrator.counters.rollouts_rejected == 24
     assert [e["worker"] for e in events if e["event"] == "evicted"] == ["rogue"]
 
 
@@ -344,3 +348,54 @@ def test_a_lease_given_back_returns_its_prompts_at_once(policy):
     assert orchestrator.submit("w1", _work(orchestrator, versions, first))["status"] == "expired"
     assert orchestrator.give_back("w1", {"lease": first["lease"]})["status"] == "expired"  # once only
     assert orchestrator.counters.leases_expired == 0 and second["lease"] in orchestrator.leases
+
+
+def test_a_worker_that_takes_leases_and_never_answers_holds_its_share_then_is_evicted(policy, caplog):
+    """The attack of issue 50: one token takes every lease it can and answers none. It holds at most
+    first_leases at once (the honest worker is served beside it), each expiry shrinks its share, and
+    past max_unfinished it is evicted. A newline in a give-back reason does not forge a log line."""
+    shares = {"first_leases": 3, "max_leases": 8, "max_unfinished": 4}
+    orchestrator, versions, events = _orchestrator(policy, async_level=1, lease_s=1.0, poll_s=0.3,
+                                                   prompts_per_step=64, shares=shares)
+    taken_at = time.monotonic()
+    taken = [orchestrator.lease("hog", held=0) for _ in range(3)]
+    assert all(t["status"] == "ok" for t in taken)
+    asked = time.monotonic()
+    assert orchestrator.lease("hog", held=0)["status"] == "wait"  # its share is taken: held for poll_s
+    assert time.monotonic() - asked >= 0.3
+    honest = orchestrator.lease("honest", held=0)
+    assert honest["status"] == "ok"
+    assert orchestrator.submit("honest", _work(orchestrator, versions, honest))["status"] == "accepted"
+    assert orchestrator.counters.of("honest").finished == 1
+    time.sleep(max(0.0, taken_at + 1.05 - time.monotonic()))
+    orchestrator.expire()  # its 3 leases expired: 3 unfinished against 0 finished, its share down to 1
+    assert orchestrator.config.shares.allowed(orchestrator.counters.of("hog")) == 1
+    with caplog.at_level("INFO"):
+        one = orchestrator.lease("hog", held=0)
+        assert orchestrator.lease("hog", held=0)["status"] == "wait"  # one at a time now
+        assert orchestrator.give_back("hog", {"lease": one["lease"], "reason": "x\n12:00 [orchestrator] forged"}) \
+            == {"status": "ok"}
+    assert not any(line.startswith("12:00") for r in caplog.records for line in r.getMessage().splitlines()[1:])
+    assert "x\\n12:00" in caplog.text
+    last = orchestrator.lease("hog", held=0)  # 4 unfinished: at the limit, not past it
+    assert last["status"] == "ok" and "hog" not in orchestrator.counters.evicted
+    time.sleep(1.05)
+    with pytest.raises(Refused, match="evicted: 5 leases expired or given back"):
+        orchestrator.lease("hog", held=0)
+    assert [e["worker"] for e in events if e["event"] == "evicted"] == ["hog"]
+    again = orchestrator.lease("honest", held=0)  # the honest worker's share grew with what it finished
+    assert again["status"] == "ok" and orchestrator.config.shares.allowed(orchestrator.counters.of("honest")) == 3
+
+
+def test_garbage_on_a_lease_left_to_go_stale_is_punished_like_garbage_anywhere(policy):
+    orchestrator, versions, _ = _orchestrator(policy, async_level=0)
+    lease = orchestrator.lease("w", held=0)
+    versions.add(1, copy.deepcopy(versions.model(0)))
+    orchestrator.next_step = 1  # the lease is stale now: its rollouts can enter no batch
+    with pytest.raises(Refused, match="evicted: .*failed verification"):
+        orchestrator.submit("w", _work(orchestrator, versions, lease, tamper=answer_swap))
+    honest = orchestrator.lease("h", held=1)
+    versions.add(2, copy.deepcopy(versions.model(0)))
+    orchestrator.next_step = 2
+    assert orchestrator.submit("h", _work(orchestrator, versions, honest))["status"] == "stale"
+    assert orchestrator.counters.of("h").finished == 1 and "h" not in orchestrator.counters.evicted

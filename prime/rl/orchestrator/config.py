@@ -9,6 +9,7 @@ from elastic_mesh import ServiceLimits
 from prime.rl.environments import EnvConfig
 from prime.rl.environments.reverse import ReverseConfig
 from prime.rl.environments.terms import RewardTerms
+from prime.rl.orchestrator.shares import LeaseShares
 
 
 class OnlineFilter(BaseModel):
@@ -48,6 +49,8 @@ class OrchestratorConfig(BaseModel):
     eval_every: int = Field(10, ge=1, description="Held-out reward (greedy) of every this many-th policy version.")
     stop_at_reward: float | None = Field(None, gt=0, le=1, description="End the run once a held-out eval reaches this.")
     verify_batch_size: int = Field(64, ge=1, description="Rollouts per verification prefill.")
+    shares: LeaseShares = Field(default_factory=LeaseShares, description="How many leases one worker may hold "
+                                "at once, and when leases it never finishes evict it.")
     poll_s: float = Field(10.0, gt=0, description="Longest a lease or batch request waits before answering 'wait'.")
     service: ServiceLimits = Field(default_factory=ServiceLimits, description="What one client may take of the "
                                    "orchestrator's HTTP: connections per address and in all, time-outs, a token's "

@@ -35,7 +35,7 @@ from dataclasses import asdict
 
 import torch
 
-from elastic_mesh import Refused
+from elastic_mesh import Refused, printable
 from prime.inference.sampling import SamplingParams
 from prime.rl.environments.base import Environment
 from prime.rl.grpo import GRPOConfig, group_advantages
@@ -102,8 +102,8 @@ class Orchestrator:
         with self.changed:
             self.counters.of(worker).last_seen_s = self.elapsed()
             while True:
-                self._refuse_evicted(worker)
                 self.expire()
+                self._refuse_evicted(worker)
                 if self.done:
                     return {"status": "done"}
                 # Announced, not loaded: a worker that got a version first need not wait for this side's
@@ -117,18 +117,25 @@ class Orchestrator:
                     return {"status": "fetch", "version": newest}
                 # Prompts are tokenized with the tokenizer of the first version loaded here; held > newest:
                 # a version not announced here yet.
-                if self.versions.tokenizer is not None and 0 <= held <= newest and self._wanted(held) > 0:
+                room = self._room(worker)
+                if room and self.versions.tokenizer is not None and 0 <= held <= newest and self._wanted(held) > 0:
                     return self._grant(worker, held)
                 # Nothing wanted from the version it names, but work for the newest: most likely its follower
                 # is loading that one, and waiting here for the next batch to free work for the older one
                 # would keep its rollouts two versions old and the pipeline one batch short. The lease is
                 # on the newest: the worker starts on it the moment it holds it, one round trip sooner.
-                if self.versions.tokenizer is not None and 0 <= held < newest and self._wanted(newest) > 0:
+                if room and self.versions.tokenizer is not None and 0 <= held < newest and self._wanted(newest) > 0:
                     return self._grant(worker, newest)
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     return {"status": "wait"}
                 self.changed.wait(min(remaining, 1.0))
+
+    def _room(self, worker: str) -> bool:
+        """Whether `worker` may take one more lease now: its leases out and being verified are under
+        its share (shares.py)."""
+        holding = sum(1 for lease in (*self.leases.values(), *self.checking.values()) if lease.worker == worker)
+        return holding < self.config.shares.allowed(self.counters.of(worker))
 
     def _wanted(self, version: int) -> int:
         """Prompts still wanted from rollouts of `version`: what the batches it may serve lack, less the
@@ -172,10 +179,19 @@ class Orchestrator:
         now = time.monotonic()
         with self.lock:
             # Latest first: each goes to the front of the queue, so the oldest prompts are handed out first.
-            for lease in sorted((x for x in self.leases.values() if x.deadline < now), key=lambda x: -x.deadline):
+            late = sorted((x for x in self.leases.values() if x.deadline < now), key=lambda x: -x.deadline)
+            for lease in late:
                 self.counters.leases_expired += 1
                 self.counters.of(lease.worker).expired += 1
                 self._release(lease, f"not returned within {self.config.lease_s:.0f} s")
+            for worker in {lease.worker for lease in late}:
+                self._judge_unfinished(worker)
+
+    def _judge_unfinished(self, worker: str) -> None:
+        """Evicts `worker` when the leases it let expire or gave back are past its share."""
+        why = self.config.shares.evicts(self.counters.of(worker))
+        if why is not None and worker not in self.counters.evicted:
+            self._evict_worker(worker, 0, why)
 
     def give_back(self, worker: str, body: dict) -> dict:
         """A worker hands a lease back unworked (it could not get the version the lease names): its
@@ -187,7 +203,9 @@ class Orchestrator:
             lease = self.leases.get(str(body.get("lease", "")))
             if lease is None or lease.worker != worker:
                 return {"status": "expired", "detail": "no such lease of this worker (returned after its deadline?)"}
-            self._release(lease, f"given back by its worker: {str(body.get('reason', ''))[:200]}")
+            self.counters.of(worker).given_back += 1
+            self._release(lease, f"given back by its worker: {printable(body.get('reason', ''), 120)}")
+            self._judge_unfinished(worker)
             return {"status": "ok"}
 
     def _refuse_evicted(self, worker: str) -> None:
@@ -199,8 +217,8 @@ class Orchestrator:
         arrived = time.monotonic()
         with self.lock:
             self.counters.of(worker).last_seen_s = self.elapsed()
-            self._refuse_evicted(worker)
             self.expire()
+            self._refuse_evicted(worker)
             lease = self.leases.get(str(body.get("lease", "")))
             if lease is None or lease.worker != worker:
                 return {"status": "expired", "detail": "no such lease of this worker (returned after its deadline?)"}
@@ -224,11 +242,12 @@ class Orchestrator:
                 raise ValueError(f"{len(completions)} completions for a lease of {expected} requests")
         except MALFORMED as e:
             return self._evict(lease, expected, f"malformed submission: {e}")
-        if lease.version < self.oldest_usable:
-            return self._stale(lease, expected)
         try:
             verifier = self.versions.verifier(lease.version)
-        except KeyError:
+        except KeyError:  # too old to be held here any more: dropped unverified, and counted against it
+            with self.lock:
+                self.counters.of(worker).expired += 1
+                self._judge_unfinished(worker)
             return self._stale(lease, expected)
         seeds = [s for group in lease.seeds for s in group]
         prompts = [p for p in lease.prompts for _ in range(self.config.group_size)]
@@ -239,10 +258,14 @@ class Orchestrator:
         with self.lock:
             self.counters.of(worker).verify_s += verify_s
         rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
-        if rejected:
+        if rejected:  # a stale lease's rollouts too: garbage is punished wherever it is sent
             i, verdict = rejected[0]
             return self._evict(lease, expected, f"{len(rejected)} of {expected} rollouts failed verification, e.g. "
                                                 f"#{i}: {verdict.reason}")
+        if lease.version < self.oldest_usable:
+            with self.lock:
+                self.counters.of(worker).finished += 1
+            return self._stale(lease, expected)
         groups = []
         for index, prompt in enumerate(lease.prompts):
             chosen = completions[index * self.config.group_size:(index + 1) * self.config.group_size]
@@ -257,6 +280,7 @@ class Orchestrator:
             self.ready.extend(groups)
             self.counters.rollouts_accepted += expected
             self.counters.of(worker).verified += expected
+            self.counters.of(worker).finished += 1
             self.changed.notify_all()
         return {"status": "accepted", "rollouts": expected, "verify_s": round(verify_s, 4)}
 
@@ -273,24 +297,33 @@ class Orchestrator:
         return {"status": "stale", "version": newest}
 
     def _evict(self, lease: Lease, rollouts: int, why: str) -> dict:
+        """Evicts the worker of `lease` (its rollouts refused) and refuses the request that brought them."""
+        with self.changed:
+            self._returned.extendleft(reversed(lease.prompts))
+            self._evict_worker(lease.worker, rollouts, why)
+        raise Refused(403, f"evicted: {why}")
+
+    def _evict_worker(self, worker: str, rollouts: int, why: str) -> None:
+        """Ends `worker`'s part in the run: its leases go back to the queue, its unbatched groups are
+        dropped, every later request of its token is refused."""
         with self.changed:
             self.counters.rollouts_rejected += rollouts
-            self.counters.evicted[lease.worker] = why
+            if worker in self.counters.evicted:  # a second submission verified beside the one that evicted it
+                self.counters.of(worker).rejected += rollouts
+                return
+            self.counters.evicted[worker] = why
             self.counters.workers_evicted += 1
-            self._returned.extendleft(reversed(lease.prompts))
-            for other in [x for x in self.leases.values() if x.worker == lease.worker]:
+            for other in [x for x in self.leases.values() if x.worker == worker]:
                 self._release(other, "its worker was evicted")
-            dropped = [g for g in self.ready if g.worker == lease.worker]
-            self.ready = [g for g in self.ready if g.worker != lease.worker]
+            dropped = [g for g in self.ready if g.worker == worker]
+            self.ready = [g for g in self.ready if g.worker != worker]
             self.counters.rollouts_rejected += sum(len(g.completions) for g in dropped)
-            self.counters.of(lease.worker).rejected += rollouts + sum(len(g.completions) for g in dropped)
+            self.counters.of(worker).rejected += rollouts + sum(len(g.completions) for g in dropped)
             self.changed.notify_all()
-        log.warning("worker %s evicted: %s (%d rollouts rejected, %d of its unbatched groups dropped)",
-                    lease.worker, why, rollouts, len(dropped))
-        self.record({"event": "evicted", "worker": lease.worker, "reason": why[:300], "time_s": self.elapsed()})
-        with self.lock:
+            log.warning("worker %s evicted: %s (%d rollouts rejected, %d of its unbatched groups dropped)",
+                        worker, why, rollouts, len(dropped))
+            self.record({"event": "evicted", "worker": worker, "reason": why[:300], "time_s": self.elapsed()})
             self.store.save(self.state())
-        raise Refused(403, f"evicted: {why}")
 
     # ---- batches -------------------------------------------------------------------------------------
     def batch(self, step: int, keep: int = 2) -> dict:

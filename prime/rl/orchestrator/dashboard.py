@@ -64,7 +64,7 @@ def dashboard_answer(orchestrator: Orchestrator, history: RunHistory, body: dict
     held = orchestrator.leases_by_worker()
     with orchestrator.lock:
         workers = [{"worker": name, "leases_held": held.get(name, 0), **asdict(stats),
-                    "evicted": orchestrator.counters.evicted.get(name)}
+                    "share": orchestrator.config.shares.allowed(stats), "evicted": orchestrator.counters.evicted.get(name)}
                    for name, stats in sorted(orchestrator.counters.workers.items())]
     config = orchestrator.config
     run = {"elapsed_s": orchestrator.elapsed(), "newest_version": orchestrator.versions.newest,

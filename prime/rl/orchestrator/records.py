@@ -50,6 +50,8 @@ class WorkerStats:
     rejected: int = 0     # rollouts refused (failed verification, malformed, or dropped at its eviction)
     stale: int = 0        # rollouts that came back from a version too old to use
     expired: int = 0      # leases it did not return in time
+    given_back: int = 0   # leases it handed back unworked
+    finished: int = 0     # leases whose rollouts were all verified
     verify_s: float = 0.0  # the orchestrator's time spent verifying its rollouts
     last_seen_s: float = 0.0  # run time of its last lease or submission
 

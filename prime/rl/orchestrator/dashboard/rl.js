@@ -33,8 +33,9 @@ function renderWorkers(workers, now) {
   document.querySelector("#workers tbody").innerHTML = workers.map(w => {
     const state = w.evicted ? "evicted" : (now - w.last_seen_s > 60 ? "gone" : "active");
     return `<tr><td>${esc(w.worker)}</td><td class="state-${state === "gone" ? "left" : state}">${state}</td>` +
-      `<td class="num">${w.leases}</td><td class="num">${w.leases_held}</td><td class="num">${w.verified}</td>` +
-      `<td class="num">${w.rejected}</td><td class="num">${w.stale}</td><td class="num">${w.expired}</td>` +
+      `<td class="num">${w.leases}</td><td class="num">${w.leases_held}</td><td class="num">${w.share}</td>` +
+      `<td class="num">${w.verified}</td><td class="num">${w.rejected}</td><td class="num">${w.stale}</td>` +
+      `<td class="num">${w.expired}</td><td class="num">${w.given_back}</td>` +
       `<td class="num">${fmt(w.verify_s, 1)}</td><td class="num">${fmt(now - w.last_seen_s, 0)} s ago</td></tr>`;
   }).join("");
 }
