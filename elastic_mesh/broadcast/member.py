@@ -50,6 +50,9 @@ class BroadcastError(RuntimeError):
     """A broadcast cannot go on: refused, forged, or no source left; the message says which and why."""
 
 
+SUSPECT_DOWNLOADS = 8  # downloads for which a source that failed without delivering is asked last
+
+
 class BroadcastSettings(BaseModel):
     """How a member fetches, serves and keeps versions."""
 
@@ -60,6 +63,9 @@ class BroadcastSettings(BaseModel):
     streams: int = Field(6, ge=1, le=64, description="Chunks fetched at once, over all sources.")
     streams_per_source: int = Field(2, ge=1, le=16, description="Chunks asked of one source at once.")
     timeout_s: float = Field(10.0, gt=0, description="A source silent this long in one chunk has failed it.")
+    first_byte_s: float = Field(2.0, gt=0, description="A source that never delivered to this member must begin "
+                                "answering within this (or three times a chunk's usual time, if longer): a holder "
+                                "that claims chunks and never answers costs a download this, not timeout_s.")
     max_failures: int = Field(3, ge=1, description="Failures after which a source is not used again by one "
                               "download (a bad chunk bans it at once).")
     stall_s: float = Field(60.0, ge=0, description="Give up when no source holds a missing chunk for this long.")
@@ -128,6 +134,12 @@ class BroadcastMember:
         # Peers that fetched the last version with this member: most fetch the next one too, so a download
         # opens its standing streams to them at once, before the coordinator's holder list names them.
         self._recent_peers: set[str] = set()
+        # What earlier downloads taught about sources: those that delivered, and those that failed without
+        # ever delivering (asked only when nobody else holds a chunk, for SUSPECT_DOWNLOADS downloads: an
+        # honest peer that was slow once gets another chance). Bounded: oldest forgotten first.
+        self._proven: dict[str, None] = {}
+        self._suspects: dict[str, int] = {}  # source -> the download count when it was last suspected
+        self._downloads = 0
         self.server: ChunkServer | None = None
         if serve:
             # The server keeps what the member tells it to (retention below), plus a version read in the last
@@ -260,14 +272,19 @@ class BroadcastMember:
                 log.warning("could not report %s: %s", source, e)
 
         s = self.settings
+        self._downloads += 1
+        picker = SourcePicker(s.streams_per_source, s.max_failures, proven=set(self._proven),
+                              suspects={a for a, when in self._suspects.items()
+                                        if self._downloads - when <= SUSPECT_DOWNLOADS})
         try:
-            Download(lambda src, path, conns: get_chunk(self.key, s.timeout_s, src, path, conns), target, self.kind,
-                     view, SourcePicker(s.streams_per_source, s.max_failures), report, streams=s.streams,
+            Download(lambda src, path, conns, first: get_chunk(self.key, s.timeout_s, src, path, conns,
+                                                               first_byte_s=first), target, self.kind,
+                     view, picker, report, streams=s.streams, first_byte_s=s.first_byte_s,
                      stall_s=s.stall_s, on_verified=verified_one, on_bad=bad, timeout_s=s.timeout_s,
                      seeders=lambda: view.origins, tls=self.client.tls, conns=self._conns,
                      wait_s=s.standing_wait_s,
-                     stream=(lambda src, path, conns, size_of: stream_chunks(self.key, s.timeout_s, src, path, conns,
-                                                                             size_of))
+                     stream=(lambda src, path, conns, size_of, first: stream_chunks(self.key, s.timeout_s, src, path,
+                                                                                    conns, size_of, first))
                      if streamed else None).run()
         except TransferError as e:
             raise BroadcastError(f"{e}; the {len(target.held())} verified chunks stay in {target.directory} "
@@ -275,10 +292,26 @@ class BroadcastMember:
         finally:
             view.stop()
             self._recent_peers = set(view.current) - view.origins
+            self._learn(picker)
         report.seconds = time.monotonic() - started
         self._dirty.set()
         self._retire()
         return target, report
+
+    def _learn(self, picker: SourcePicker, keep: int = 4096) -> None:
+        """Remembers which sources delivered in a download and which failed without delivering."""
+        for source, stats in list(picker.stats.items()):
+            if stats.rate is not None:
+                self._suspects.pop(source, None)
+                self._proven.pop(source, None)
+                self._proven[source] = None
+            elif (stats.failures or stats.in_flight) and source not in self._proven:
+                # failed, or still silent when the download ended (others brought its chunks first)
+                self._suspects.pop(source, None)
+                self._suspects[source] = self._downloads
+        for memory in (self._proven, self._suspects):
+            while len(memory) > keep:
+                del memory[next(iter(memory))]
 
     def follow(self, on_version: Callable[[ChunkDir, FetchReport], None] | None = None,
                only: Callable[[dict], bool] | None = None,

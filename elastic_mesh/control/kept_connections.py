@@ -33,10 +33,12 @@ class KeptConnections:
         self._lock = threading.Lock()
 
     def request(self, address: str, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+                headers: dict[str, str] | None = None, first_byte_s: float | None = None) -> tuple[int, bytes]:
         """(status, body) of one request. Raises OSError or http.client.HTTPException when it failed on a
-        fresh connection; the whole body is read even on an error status, so the connection stays usable."""
-        conn, response = self._send(address, method, path, body, headers)
+        fresh connection; the whole body is read even on an error status, so the connection stays usable.
+        first_byte_s: the connection and the answer's head must come within this (TimeoutError), where
+        a peer not yet known to answer may be one that never does."""
+        conn, response = self._send(address, method, path, body, headers, first_byte_s)
         try:
             data = response.read()
         except BaseException:
@@ -46,12 +48,12 @@ class KeptConnections:
         return response.status, data
 
     @contextmanager
-    def streaming(self, address: str, method: str, path: str,
-                  headers: dict[str, str] | None = None) -> Iterator[http.client.HTTPResponse]:
+    def streaming(self, address: str, method: str, path: str, headers: dict[str, str] | None = None,
+                  first_byte_s: float | None = None) -> Iterator[http.client.HTTPResponse]:
         """One request whose response the caller reads as it arrives (a stream of frames). The connection
         is kept only if the caller read the body to its end (a refusal such as 204 or 503 read whole, or a
         stream to its last frame, even when the caller then raises); one left early is closed."""
-        conn, response = self._send(address, method, path, None, headers)
+        conn, response = self._send(address, method, path, None, headers, first_byte_s)
         try:
             yield response
         finally:
@@ -60,16 +62,24 @@ class KeptConnections:
             else:
                 conn.close()
 
-    def _send(self, address: str, method: str, path: str, body: bytes | None,
-              headers: dict[str, str] | None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _send(self, address: str, method: str, path: str, body: bytes | None, headers: dict[str, str] | None,
+              first_byte_s: float | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """A connection and the response to one request on it, its head read. A kept connection that the
         server closed while it sat idle fails here, and that is not the peer's fault: the request goes once
         more on a fresh connection (the address's other idle ones most likely went the same way: closed)."""
         for attempt in range(2):
             conn, reused = self._take(address)
+            limit = self.timeout_s if first_byte_s is None else min(self.timeout_s, first_byte_s)
             try:
+                conn.timeout = limit  # a new connection's connect() takes it; a kept one's socket below
+                if conn.sock is not None:
+                    conn.sock.settimeout(limit)
                 conn.request(method, path, body=body, headers=headers or {})
-                return conn, conn.getresponse()
+                response = conn.getresponse()
+                if conn.sock is not None:
+                    conn.sock.settimeout(self.timeout_s)  # the body: the ordinary limit between two reads
+                conn.timeout = self.timeout_s
+                return conn, response
             except (http.client.HTTPException, ConnectionError):
                 conn.close()
                 if not reused or attempt:

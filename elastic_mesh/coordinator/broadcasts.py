@@ -6,7 +6,11 @@ each kind (in SQLite, so a restarted coordinator still knows them). Every proces
 a version says so (`have`, a bitmap, renewed within `holder_ttl_s` or forgotten), and asks who holds
 what (`holders`). A member that received a chunk that does not match the signed hash reports its
 source; two reporters with different tokens, or one with the publish right, ban that source for that
-version (one alone could be lying about an honest peer).
+version (one alone could be lying about an honest peer). A publisher's own address (an origin) is never
+banned by reports: the bytes it serves are the ones whose hashes it had signed, so a mismatch from it is
+a failed transfer, not a lie (two colluding worker tokens could otherwise stop the run by banning the
+trainer). Reports name a kept version and a bounded number of sources per token, so spam cannot grow
+memory or the event log. A holder entry belongs to the token that made it: no token overwrites another's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from elastic_mesh.control.service import printable
 from elastic_mesh.control.signing import RunSigner
 from elastic_mesh.control.token import JoinToken
 from elastic_mesh.coordinator.config import Refused
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 
 KIND = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 MAX_HOLDERS_ANSWERED = 64
+MAX_SOURCES_REPORTED = 8  # distinct sources one token may report per version (a download drops a bad one)
 
 
 @dataclass
@@ -47,6 +53,7 @@ class VersionHolders:
     holders: dict[str, Holder] = field(default_factory=dict)
     reports: dict[str, set[str]] = field(default_factory=dict)  # source address -> reporters' token ids
     banned: dict[str, str] = field(default_factory=dict)  # source address -> why
+    origins: set[str] = field(default_factory=set)  # the publisher's addresses: never banned by reports
 
 
 def bitmap_count(bitmap: bytes | None, chunks: int) -> int:
@@ -152,15 +159,23 @@ class Broadcasts:
             entry = self._holders.setdefault((kind, version), VersionHolders())
             if address in entry.banned:
                 raise Refused(403, f"{address} is banned from serving {kind} {version}: {entry.banned[address]}")
+            owner = entry.holders.get(address)
+            if owner is not None and owner.token_id != token.token_id and \
+                    time.monotonic() - owner.seen <= self.holder_ttl_s:
+                raise Refused(409, f"{address} is named as a holder of {kind} {version} by another token; a token "
+                                   "may name only the chunk servers it runs")
             # A token names at most max_nodes holders: one leaked token cannot fill the holder lists with
             # addresses that waste everyone's time-outs.
             mine = [a for a, h in entry.holders.items() if h.token_id == token.token_id and
                     time.monotonic() - h.seen <= self.holder_ttl_s]
             if address not in mine and len(mine) >= token.max_nodes:
-                raise Refused(429, f"token {token.token_id} already names {len(mine)} holder(s) of {kind} {version}, "
+                raise Refused(403, f"token {token.token_id} already names {len(mine)} holder(s) of {kind} {version}, "
                                    f"its cap (max_nodes {token.max_nodes}); give each worker its own token, or one "
                                    "with --max-nodes")
-            entry.holders[address] = Holder(address, token.token_id, bitmap, bool(body.get("origin")) and token.publish,
+            origin = bool(body.get("origin")) and token.publish
+            if origin:
+                entry.origins.add(address)
+            entry.holders[address] = Holder(address, token.token_id, bitmap, origin,
                                             int(body.get("served_bytes", 0)), time.monotonic())
             self.changed.notify_all()
         return {"status": "ok", "address": address}
@@ -180,14 +195,25 @@ class Broadcasts:
              "chunks": "all" if h.chunks is None else base64.b64encode(h.chunks).decode()} for h in live]}
 
     def report(self, token: JoinToken, body: dict) -> dict:
-        kind, version, source = _kind(body), int(body["version"]), str(body["source"])[:200]
-        chunk, reason = int(body.get("chunk", -1)), str(body.get("reason", ""))[:200]
+        kind, version, source = _kind(body), int(body["version"]), printable(body["source"], 100)
+        chunk, reason = int(body.get("chunk", -1)), printable(body.get("reason", ""), 160)
         with self.lock, self.state.transaction():
+            if self.envelope(kind, version) is None:
+                raise Refused(404, f"no {kind} version {version} is kept: a report must be about a published version")
             entry = self._holders.setdefault((kind, version), VersionHolders())
+            reporters = entry.reports.get(source, set())
+            if token.token_id in reporters:
+                return {"status": "ok", "banned": source in entry.banned}  # said once; said again adds nothing
+            mine = sum(1 for who in entry.reports.values() if token.token_id in who)
+            if mine >= MAX_SOURCES_REPORTED:
+                raise Refused(403, f"token {token.token_id} already reported {mine} sources of {kind} {version}, "
+                                   f"the most one token may")
             reporters = entry.reports.setdefault(source, set())
             reporters.add(token.token_id)
             self.state.event(f"{kind} {version}: chunk {chunk} from {source} did not match its signed hash "
                              f"(reported by token {token.token_id}: {reason})")
+            if source in entry.origins:
+                return {"status": "ok", "banned": False}  # the publisher's bytes are the signed ones
             if source not in entry.banned and (len(reporters) >= 2 or token.publish):
                 entry.banned[source] = f"bad chunks reported by {len(reporters)} member(s)"
                 entry.holders.pop(source, None)

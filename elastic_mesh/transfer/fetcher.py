@@ -56,13 +56,14 @@ class FetchReport:
 
 
 def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections | None = None,
-              tls: ssl.SSLContext | None = None) -> bytes:
+              tls: ssl.SSLContext | None = None, first_byte_s: float | None = None) -> bytes:
     """One GET with the transfer key. With `conns` (a download stream's own connections) the connection
     to each source is kept open between chunks: a new TCP connection per chunk restarts slow start every
-    time, which costs most on the long, fat links state crosses."""
+    time, which costs most on the long, fat links state crosses. first_byte_s: the answer must begin
+    within this (a source not known to answer yet)."""
     kept = conns or KeptConnections(timeout_s, tls)
     try:
-        status, body = kept.request(source, "GET", path, headers={KEY_HEADER: key})
+        status, body = kept.request(source, "GET", path, headers={KEY_HEADER: key}, first_byte_s=first_byte_s)
     except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
         raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
     finally:
@@ -86,13 +87,13 @@ FRAME_HEAD = struct.Struct(">qq")  # a streamed chunk's index and size, then its
 
 
 def stream_chunks(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections,
-                  size_of: Callable[[int], int | None]) -> Iterator[tuple[int, bytes]]:
+                  size_of: Callable[[int], int | None], first_byte_s: float | None = None) -> Iterator[tuple[int, bytes]]:
     """The (index, bytes) frames of one streamed request (…/fresh/<bitmap>?stream=1) as they arrive. A
     frame whose size is not size_of(index) (None: no such chunk) ends the stream before its bytes are
     read, so a lying source cannot make this side buffer more than a chunk; the caller checks each
     chunk's hash. Raises as get_chunk does."""
     try:
-        with conns.streaming(source, "GET", path, headers={KEY_HEADER: key}) as response:
+        with conns.streaming(source, "GET", path, headers={KEY_HEADER: key}, first_byte_s=first_byte_s) as response:
             if response.status != 200:
                 _refused(response.status, response.read(), source, path)
             while head := response.read(FRAME_HEAD.size):
@@ -124,8 +125,9 @@ class ChunkFetcher:
         self.max_failures = max_failures_per_source
         self.tls = tls
 
-    def _get(self, source: str, path: str, conns: KeptConnections | None = None) -> bytes:
-        return get_chunk(self.key, self.timeout_s, source, path, conns, self.tls)
+    def _get(self, source: str, path: str, conns: KeptConnections | None = None,
+             first_byte_s: float | None = None) -> bytes:
+        return get_chunk(self.key, self.timeout_s, source, path, conns, self.tls, first_byte_s)
 
     def manifests(self, kind: str, version: int | None) -> dict[str, dict]:
         """The manifest each reachable source holds for `version` (or its latest)."""
@@ -189,22 +191,27 @@ class Download:
     own, closed at its end, if None. stream(source, path, conns, size_of): the (index, bytes) frames
     of one streamed request (stream_chunks); with it a seeder's chunks come in one streamed answer
     instead of a request each, and every peer still fetching gets a standing stream from the start,
-    over which it relays each chunk it took from a seeder the moment it verified it."""
+    over which it relays each chunk it took from a seeder the moment it verified it.
 
-    def __init__(self, get: Callable[[str, str, KeptConnections], bytes], target: ChunkDir, kind: str,
+    A source that has not delivered yet (in this download, or to this member before: the picker's
+    `proven`) must begin its answer within a first-byte deadline: max(first_byte_s, three times the
+    median time a chunk of this download took), plus what a standing request may wait at it. A holder
+    that claims chunks and never answers costs one deadline, not the ordinary time-out."""
+
+    def __init__(self, get: Callable[[str, str, KeptConnections, float | None], bytes], target: ChunkDir, kind: str,
                  holders: Callable[[], dict[str, bytes | None]], picker: SourcePicker, report: FetchReport, *,
                  streams: int, stall_s: float = 0.0, timeout_s: float = 30.0, wait_s: float = 0.0,
                  seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
                  on_verified: Callable[[int], None] | None = None,
                  on_bad: Callable[[str, int, str], None] | None = None, tls: ssl.SSLContext | None = None,
                  conns: KeptConnections | None = None,
-                 stream: Callable[[str, str, KeptConnections, Callable[[int], int | None]],
-                                  Iterator[tuple[int, bytes]]] | None = None) -> None:
+                 stream: Callable[[str, str, KeptConnections, Callable[[int], int | None], float | None],
+                                  Iterator[tuple[int, bytes]]] | None = None, first_byte_s: float = 2.0) -> None:
         self.get, self.target, self.kind, self.holders, self.picker = get, target, kind, holders, picker
         self.report, self.timeout_s, self.tls, self.conns, self.stream = report, timeout_s, tls, conns, stream
         self.seeders = seeders or (lambda: set())
         self.on_verified, self.on_bad = on_verified, on_bad
-        self.streams = streams
+        self.streams, self.first_byte_s = streams, first_byte_s
         self.schedule = DownloadSchedule(target.chunks, picker, streams, wait_s, stream is not None, stall_s, seed,
                                          last_progress=time.monotonic())
         self.errors: list[str] = []
@@ -320,6 +327,15 @@ class Download:
             query.append("stream=1")
         return path + ("?" + "&".join(query) if query else "")
 
+    def _first_byte(self, request: Request) -> float | None:
+        """The first-byte deadline of `request` (None: its source delivered before; the ordinary time-out)."""
+        if self.picker.proven(request.source):
+            return None
+        with self._cond:
+            took = sorted(self.schedule.took)
+        paced = 3 * took[len(took) // 2] if took else 0.0
+        return min(self.timeout_s, max(self.first_byte_s, paced) + request.wait_s)
+
     def _fetch(self, conns: KeptConnections, request: Request) -> None:
         started, source, index = time.monotonic(), request.source, request.index
         with self._cond:
@@ -331,7 +347,7 @@ class Download:
         if self.stream and index is None:
             return self._fetch_streamed(conns, path, request, source in seeders)
         try:
-            data = self.get(source, path, conns)
+            data = self.get(source, path, conns, self._first_byte(request))
             if index is None:
                 if len(data) < 8 or not 0 <= (index := struct.unpack(">q", data[:8])[0]) < self.target.chunks:
                     raise TransferError(f"{source}: a seeded chunk without a valid index")
@@ -384,7 +400,7 @@ class Download:
         and bans its source, as a bad chunk does."""
         started, nbytes, source, wanted = time.monotonic(), 0, request.source, set(request.chunks)
         try:
-            for index, data in self.stream(source, path, conns, self._size_of):
+            for index, data in self.stream(source, path, conns, self._size_of, self._first_byte(request)):
                 if index not in wanted or not self.target.matches(index, data):
                     self._bad(source, index, "sha256 mismatch" if index in wanted else "not asked for",
                               f"streamed chunk {index} that was not asked for or does not match its hash",

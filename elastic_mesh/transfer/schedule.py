@@ -118,11 +118,17 @@ class DownloadSchedule:
                     and s not in self.in_flight.get(index, ())
                     and not (self.streamed and (s in self.standing or s in self.streamed_from))]
             others = [s for s in have if s not in seeders]
+            if any(s in seeders for s in have):  # a suspect beside a seeder counts for nothing
+                others = [s for s in others if not self.picker.suspected(s)]
             if others or have:
-                ranked.append((len(others), index, others or have))
+                ranked.append((len(others), index, others or have, [s for s in have if s in seeders]))
         ranked.sort(key=lambda r: r[0])  # stable: rarest first, ties in this member's shuffled order
-        for rarity, index, have in ranked:
+        for rarity, index, have, seeding in ranked:
             source = self.picker.pick(have)
+            if source is None and seeding and not any(self.picker.proven(s) for s in have):
+                # Its other holders are busy and none of them has delivered yet (a holder that claims
+                # chunks and never answers looks like this): the seeder, rather than waiting on them.
+                source = self.picker.pick(seeding)
             if source is None:
                 continue
             if rarity == 0 and source in seeders and fresh:
@@ -130,7 +136,7 @@ class DownloadSchedule:
                 self.seeding += 1
                 if self.streamed:
                     self.streamed_from.add(source)
-                return Request(tuple(i for r, i, h in ranked if r == 0 and source in h), source)
+                return Request(tuple(i for r, i, h, _ in ranked if r == 0 and source in h), source)
             if index not in self.in_flight:
                 self.asked_at[index] = now
             self.in_flight.setdefault(index, set()).add(source)

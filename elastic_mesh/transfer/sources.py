@@ -5,6 +5,11 @@ included), divided among the streams already waiting on it. A source never tried
 rate is unknown, and unknown sources are how a swarm finds its fast peers); then, with probability
 `explore`, a random one, so a source that was slow once is measured again. A source that fails or
 sends bad bytes `max_failures` times, or is banned outright, is not used again by this download.
+
+What a member learned in its earlier downloads comes in as `proven` (sources that delivered) and
+`suspects` (sources that failed and never delivered: a holder that claims chunks and never answers).
+A suspect is asked only when no other source holds the chunk, so a bogus holder costs one download
+its first-byte deadline, not every download.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ class SourceStats:
 
 class SourcePicker:
     def __init__(self, streams_per_source: int = 2, max_failures: int = 3, explore: float = 0.1,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, proven: set[str] | frozenset[str] = frozenset(),
+                 suspects: set[str] | frozenset[str] = frozenset()) -> None:
         self.streams_per_source, self.max_failures, self.explore = streams_per_source, max_failures, explore
+        self.known_good, self.suspects = set(proven), set(suspects) - set(proven)
         self.stats: dict[str, SourceStats] = {}
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -41,11 +48,24 @@ class SourcePicker:
             s = self._get(source)
             return not s.banned and s.failures < self.max_failures
 
+    def proven(self, source: str) -> bool:
+        """Whether `source` delivered: in this download, or in an earlier one of this member."""
+        with self._lock:
+            return source in self.known_good or self._get(source).rate is not None
+
+    def suspected(self, source: str) -> bool:
+        """Whether `source` failed an earlier download of this member without ever delivering."""
+        with self._lock:
+            return source in self.suspects and self._get(source).rate is None
+
     def pick(self, candidates: list[str]) -> str | None:
         """The source to ask next among `candidates` (those holding the chunk), or None if every usable
-        one already has its streams busy. Marks it in flight: call done() or failed() after."""
+        one already has its streams busy. Marks it in flight: call done() or failed() after. A suspect
+        is asked only when every candidate is one."""
         now = time.monotonic()
         with self._lock:
+            trusted = [c for c in candidates if c not in self.suspects or self._get(c).rate is not None]
+            candidates = trusted or candidates
             free = [c for c in candidates if not (s := self._get(c)).banned and s.failures < self.max_failures
                     and s.in_flight < self.streams_per_source and s.busy_until <= now]
             if not free:

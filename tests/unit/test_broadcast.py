@@ -362,3 +362,76 @@ def test_the_holder_view_is_refreshed_fast_in_a_downloads_first_second_then_at_r
     assert len(first) >= 8, len(first)  # every 50 ms: ~20 (refresh_s alone: 2)
     assert len(later) <= 4, len(later)  # every 0.5 s: ~2 (refresh_first_s throughout: ~20)
 
+
+
+def test_reports_cannot_ban_the_publisher_name_unpublished_versions_or_pile_up(run):
+    """Issue 50's attacks on the report route, as two worker tokens would make them: the trainer's address
+    reported for versions not yet published (its next publish was refused and the run stopped), the
+    published version's origin reported by both, report spam, and a `have` naming another's address."""
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    a, b = (BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / name, SETTINGS) for name in ("a", "b"))
+    try:
+        origin.publish(1, payload())
+        source = origin.address or origin.client.post("/v1/broadcast/holders", {"kind": "policy", "version": 1})[
+            "holders"][0]["address"]
+        for version in (2, 3):
+            for m in (a, b):
+                with pytest.raises(Exception, match="must be about a published version"):
+                    m.client.post("/v1/broadcast/report", {"kind": "policy", "version": version, "source": source})
+        for m in (a, b):
+            answer = m.client.post("/v1/broadcast/report", {"kind": "policy", "version": 1, "source": source,
+                                                            "reason": "forged\nline"})
+            assert answer == {"status": "ok", "banned": False}
+        origin.publish(2, payload())  # the run goes on: the trainer's address is neither banned nor refused
+        assert a.fetch()[0].complete
+        events = [e["text"] for e in server.coordinator.status()["events"]]
+        assert any("forged\\nline" in e for e in events) and not any(e.endswith("line") and "forged" not in e for e in events)
+        for i in range(8):  # one token names at most 8 sources of a version; repeats add nothing
+            a.client.post("/v1/broadcast/report", {"kind": "policy", "version": 2, "source": f"10.0.0.{i}:1"})
+        before = len(server.coordinator.status()["events"])
+        a.client.post("/v1/broadcast/report", {"kind": "policy", "version": 2, "source": "10.0.0.0:1"})
+        assert len(server.coordinator.status()["events"]) == before
+        with pytest.raises(Exception, match="the most one token may"):
+            a.client.post("/v1/broadcast/report", {"kind": "policy", "version": 2, "source": "10.0.0.9:1"})
+        host, port = source.rsplit(":", 1)
+        with pytest.raises(Exception, match="by another token"):  # the origin's entry is the origin's
+            b.client.post("/v1/broadcast/have", {"kind": "policy", "version": 2, "host": host, "port": int(port),
+                                                 "chunks": "all"})
+    finally:
+        for m in (origin, a, b):
+            m.stop()
+
+
+def test_a_holder_that_claims_every_chunk_and_never_answers_costs_one_first_byte_deadline(run):
+    """Issue 50: a worker token names a socket that accepts and never answers as a holder of every chunk
+    of each new version. Honest downloads waited out the 10 s time-out on it (0.04 -> 11 s a version);
+    now the seeder is asked beside it, its requests end at the first-byte deadline, and in later
+    downloads it is a suspect nobody asks while someone else holds the chunks."""
+    import socket
+
+    server, tmp = run
+    origin = BroadcastMember(tokens(tmp, publish=True), "policy", tmp / "origin", SETTINGS)
+    honest = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "honest", SETTINGS)
+    rogue = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "rogue", SETTINGS, serve=False)
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(64)
+    bogus = f"127.0.0.1:{sink.getsockname()[1]}"
+    try:
+        reports = []
+        for version in (1, 2, 3):
+            origin.publish(version, payload())
+            rogue.client.post("/v1/broadcast/have", {"kind": "policy", "version": version, "host": "127.0.0.1",
+                                                     "port": sink.getsockname()[1], "chunks": "all"})
+            started = time.monotonic()
+            target, report = honest.fetch(version)
+            reports.append((time.monotonic() - started, report))
+            assert target.complete and bogus not in report.bytes_from
+        assert reports[0][0] < SETTINGS.timeout_s / 2, reports[0]  # never the whole time-out
+        for _, report in reports[1:]:  # a suspect: not asked again while the origin holds everything
+            assert not any(bogus in f for f in report.failed), report.failed
+    finally:
+        sink.close()
+        for m in (origin, honest, rogue):
+            m.stop()

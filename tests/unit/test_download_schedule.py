@@ -97,3 +97,22 @@ def test_busy_sources_leave_nothing_to_start_and_a_complete_download_asks_nothin
     s = schedule(8, per_source=1)
     assert len(drain(s, set(), {"a": None})) == 1  # one stream per source
     assert s.next(set(range(8)), {"a": None}, set(), 0.0) is None
+
+
+def test_a_holder_that_has_not_delivered_does_not_keep_chunks_from_the_seeder():
+    """A bogus holder claims every chunk (issue 50: every honest download waited out a 10 s time-out on
+    it). While its streams are busy and it has delivered nothing, the seeder is asked instead; once it is
+    a suspect (it failed an earlier download of this member), it counts for nothing beside a seeder."""
+    s = schedule(4, per_source=2)
+    requests = drain(s, set(), {"origin": None, "bogus": None}, seeders={"origin"})
+    assert [r.source for r in requests[:2]] == ["bogus", "bogus"]  # never tried: tried first
+    assert any(r.source == "origin" for r in requests[2:])  # ...but not waited on
+    honest = schedule(4, per_source=2)
+    honest.picker.done("peer", 1000, 0.1)  # a peer that delivered: its busy streams are waited for
+    honest.picker.stats["peer"].in_flight = 2
+    assert drain(honest, set(), {"origin": None, "peer": None}, seeders={"origin"}) == []
+    wary = DownloadSchedule(4, SourcePicker(streams_per_source=2, seed=0, suspects={"bogus"}), seed=0)
+    requests = drain(wary, set(), {"origin": None, "bogus": None}, seeders={"origin"})
+    assert requests and all(r.source == "origin" for r in requests) and requests[0].seeded
+    alone = DownloadSchedule(2, SourcePicker(streams_per_source=2, seed=0, suspects={"bogus"}), seed=0)
+    assert {r.source for r in drain(alone, set(), {"bogus": None})} == {"bogus"}  # nobody else: asked after all

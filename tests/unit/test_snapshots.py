@@ -347,7 +347,7 @@ def test_a_download_takes_chunks_from_a_peer_the_moment_the_peer_verifies_them(t
     feeder = threading.Thread(target=feed)
     try:
         feeder.start()
-        Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+        Download(lambda src, path, conns, first=None: get_chunk(KEY, 10, src, path, conns, first_byte_s=first), target, "snapshot",
                  lambda: {peer: empty}, SourcePicker(2), report, streams=4, stall_s=30, wait_s=2.0).run()
     finally:
         feeder.join()

@@ -130,11 +130,11 @@ def test_a_download_streams_from_a_seeder_and_a_peer_and_bans_a_peer_whose_frame
     feeder = threading.Thread(target=feed)
     try:
         feeder.start()
-        Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+        Download(lambda src, path, conns, first=None: get_chunk(KEY, 10, src, path, conns, first_byte_s=first), target, "snapshot",
                  lambda: {addresses["seeder"]: None, addresses["honest"]: empty, addresses["liar"]: empty},
                  SourcePicker(2), report, streams=6, stall_s=30, wait_s=2.0,
                  seeders=lambda: {addresses["seeder"]}, on_bad=lambda source, index, why: bad.append(source),
-                 stream=lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of)).run()
+                 stream=lambda src, path, conns, size_of, first=None: stream_chunks(KEY, 10, src, path, conns, size_of, first)).run()
     finally:
         feeder.join()
         for s in (seeder, *(s for _, s in peers)):
@@ -260,10 +260,10 @@ def test_a_version_retired_during_its_download_ends_the_download_with_that_reaso
     previous_hook, threading.excepthook = threading.excepthook, lambda args: crashed.append(args.exc_value)
     try:
         with pytest.raises(TransferError, match="retired while it was fetched"):
-            Download(lambda src, path, conns: get_chunk(KEY, 10, src, path, conns), target, "snapshot",
+            Download(lambda src, path, conns, first=None: get_chunk(KEY, 10, src, path, conns, first_byte_s=first), target, "snapshot",
                      lambda: {source: None}, SourcePicker(2), report, streams=2, stall_s=30,
                      on_verified=lambda index: target.remove(), seeders=lambda: {source},
-                     stream=(lambda src, path, conns, size_of: stream_chunks(KEY, 10, src, path, conns, size_of))
+                     stream=(lambda src, path, conns, size_of, first=None: stream_chunks(KEY, 10, src, path, conns, size_of, first))
                      if streamed else None).run()
     finally:
         threading.excepthook = previous_hook
