@@ -151,13 +151,12 @@ class _Handler(HardenedHandler):
         try:
             token = self.server.check(self.headers.get("Authorization", ""), read_only=route.read_only)
             if not self.server.rates.allow(token.token_id):
-                self.close_connection = True
                 raise Refused(429, f"token {token.token_id} is over its rate of "
                                    f"{self.server.limits.requests_per_s:g} requests a second; slow down")
             body = self.read_body(route.max_body)
             self.reply(200, route.handler(token, body))
         except Refused as e:
-            self.close_connection = self.close_connection or e.status in (401, 403, 413, 429)
+            self.discard_body(route.max_body)
             self.reply(e.status, {"error": str(e)}, {"Retry-After": "1"} if e.status == 429 else None)
         except BodyRefused as e:
             self.reply(e.status, {"error": str(e)})

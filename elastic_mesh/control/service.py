@@ -28,6 +28,8 @@ from elastic_mesh.control.tls import accept
 
 log = logging.getLogger(__name__)
 
+DISCARD_MAX = 64 << 10  # the largest body of a refused request read (and dropped) to keep its connection
+
 
 class ServiceLimits(BaseModel):
     """What one client may take of a service."""
@@ -135,7 +137,16 @@ class ConnectionGuard:
                     pass  # closed meanwhile
 
     def stop(self) -> None:
+        """Ends the reaper and every admitted connection: a stopped service answers nothing more, not
+        even on a connection a client kept open."""
         self._stop.set()
+        with self._lock:
+            open_now = list(self._peer_of)
+        for conn in open_now:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class HardenedServer(ThreadingHTTPServer):
@@ -259,6 +270,22 @@ class HardenedHandler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise BodyRefused(400, "the body is not a JSON object")
         return body
+
+
+    def discard_body(self, limit: int) -> None:
+        """Reads and drops the body of a request refused from its headers, when it is at most `limit`
+        bytes: the connection then carries the client's next request, where closing it would make every
+        refused request of a flood cost this side a new connection (and a TLS handshake). A larger body
+        stays unread, and the answer closes the connection."""
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return
+        if 0 < length <= min(limit, DISCARD_MAX) and not self.body_read:
+            try:
+                self.read_body(limit)
+            except BodyRefused:
+                pass  # malformed, or cut short: the answer closes the connection (body_read tells)
 
 
 class BodyRefused(Exception):

@@ -89,7 +89,7 @@ class _Handler(HardenedHandler):
                 return self._hold_lifeline(coordinator, node)
             self._reply(200, _ROUTES[self.path](coordinator, node, body))
         except Refused as e:
-            self.close_connection = self.close_connection or e.status in (401, 403, 429)
+            self.discard_body(limit)
             self._reply(e.status, {"error": str(e)})
         except BodyRefused as e:
             self._reply(e.status, {"error": str(e)})
