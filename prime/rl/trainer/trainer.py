@@ -33,7 +33,7 @@ from prime.inference.hf_engine import load_hf_policy
 from prime.rl.trainer.config import RLTrainerConfig
 from prime.rl.transport.batches import BatchSource, OrchestratorBatches
 from prime.rl.transport.policy_files import POLICY_KIND, policy_broadcast_settings
-from prime.rl.transport.weights import BroadcastPublisher, WeightPublisher
+from prime.rl.transport.weights import BroadcastPublisher, RetryingPublisher, WeightPublisher
 from prime.rl.update import Row, sharded_update
 from prime.verify.thresholds import ToplocThresholds
 
@@ -83,8 +83,8 @@ class RLTrainer:
                 member.stop()
                 raise SystemExit("this token has no publish right: the trainer publishes the policy "
                                  "(token create --publish)")
-            weights = BroadcastPublisher(member, policy, {"orchestrator": orchestrator},
-                                         getattr(torch, config.publish_dtype))
+            weights = RetryingPublisher(BroadcastPublisher(member, policy, {"orchestrator": orchestrator},
+                                                           getattr(torch, config.publish_dtype)))
             client = CoordinatorClient(orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
                                        tls=member.client.tls_context())
             batches = OrchestratorBatches(client, keep=config.checkpoint_every + 1)

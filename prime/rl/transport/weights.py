@@ -48,6 +48,78 @@ class WeightPublisher(Protocol):
         """Publishes `model` as `version`. weights: its full state dict where the model is sharded."""
 
 
+class RetryingPublisher:
+    """A WeightPublisher the trainer cannot die of: a publish refused or failed (the coordinator away, a
+    refusal it may lift) is logged and retried in the background, at 1 s, doubling to `max_retry_s`,
+    until it or a newer version goes out; the trainer trains on meanwhile. With async level >= 1 the
+    batches go on from the versions already out; a newer version published supersedes the one that
+    failed. The weights of a version waiting for its retry are copied at once: the model trains on."""
+
+    def __init__(self, inner: WeightPublisher, first_retry_s: float = 1.0, max_retry_s: float = 30.0) -> None:
+        self.inner, self.first_retry_s, self.max_retry_s = inner, first_retry_s, max_retry_s
+        self.failures = 0  # publishes that failed at least once, for the trainer's log and tests
+        self._pending: tuple[int, PreTrainedModel, dict[str, torch.Tensor]] | None = None
+        self._publishing = threading.Lock()  # one publish at a time: versions only go up
+        self._wake = threading.Event()
+        self._retrier: threading.Thread | None = None
+
+    def newest(self) -> int:
+        return self.inner.newest()
+
+    @property
+    def waiting(self) -> int | None:
+        """The version waiting for a retry, if any."""
+        pending = self._pending
+        return None if pending is None else pending[0]
+
+    def publish(self, version: int, model: PreTrainedModel, weights: dict[str, torch.Tensor] | None = None) -> None:
+        with self._publishing:
+            self._pending = None  # this version supersedes one still waiting
+            if self._try(version, model, weights):
+                return
+            self.failures += 1
+            state = model.state_dict() if weights is None else weights
+            self._pending = (version, model, {name: t.detach().clone() for name, t in state.items()})
+        if self._retrier is None:
+            self._retrier = threading.Thread(target=self._retry, daemon=True, name="publish-retry")
+            self._retrier.start()
+        self._wake.set()
+
+    def _try(self, version: int, model: PreTrainedModel, weights: dict[str, torch.Tensor] | None) -> bool:
+        try:
+            self.inner.publish(version, model, weights)
+            return True
+        except (BroadcastError, OSError) as e:
+            try:
+                newest = self.inner.newest()
+            except (BroadcastError, OSError):
+                newest = -1
+            if newest >= version:  # out already (the answer was what got lost, or a newer one went)
+                log.warning("version %d: publish answered %s, but the run holds version %d: going on", version, e,
+                            newest)
+                return True
+            log.warning("version %d not published (%s); retried in the background, training goes on", version, e)
+            return False
+
+    def _retry(self) -> None:
+        delay = self.first_retry_s
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            time.sleep(delay)
+            with self._publishing:
+                pending = self._pending
+                if pending is None:
+                    delay = self.first_retry_s
+                    continue
+                if self._try(*pending):
+                    log.info("version %d published on a retry", pending[0])
+                    self._pending, delay = None, self.first_retry_s
+                    continue
+            delay = min(delay * 2, self.max_retry_s)
+            self._wake.set()
+
+
 @dataclass(frozen=True)
 class HeldVersion(Generic[Built]):
     """A version in memory: its policy (model and TOPLOC thresholds) and what the follower built of it."""
