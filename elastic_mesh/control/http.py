@@ -157,6 +157,8 @@ class _Handler(HardenedHandler):
             self.reply(200, route.handler(token, body))
         except Refused as e:
             self.discard_body(route.max_body)
+            if e.status in (401, 403, 429):
+                self.tarpit()
             self.reply(e.status, {"error": str(e)}, {"Retry-After": "1"} if e.status == 429 else None)
         except BodyRefused as e:
             self.reply(e.status, {"error": str(e)})

@@ -44,6 +44,10 @@ class ServiceLimits(BaseModel):
     max_connections_per_peer: int = Field(64, ge=1, description="Open connections from one address.")
     requests_per_s: float = Field(100.0, gt=0, description="Sustained requests a second one token may make.")
     burst: int = Field(200, ge=1, description="Requests one token may make at once before the rate holds it.")
+    refusals_per_s: float = Field(20.0, gt=0, description="Refused requests (no token, a bad one, over a rate) "
+                                  "answered at once per client address a second (burst twice that); the rest "
+                                  "are answered after tarpit_s, so a flood costs its sender time, not this side CPU.")
+    tarpit_s: float = Field(1.0, ge=0, description="How long a refusal over refusals_per_s waits before its answer.")
 
 
 def printable(text: object, limit: int = 200) -> str:
@@ -163,6 +167,7 @@ class HardenedServer(ThreadingHTTPServer):
         self.limits, self.tls = limits, tls
         self.guard = ConnectionGuard(limits)
         self.rates = RateLimiter(limits.requests_per_s, limits.burst)
+        self.refusals = RateLimiter(limits.refusals_per_s, max(1, int(2 * limits.refusals_per_s)))
 
     def get_request(self):
         conn, address = self.socket.accept()
@@ -271,6 +276,13 @@ class HardenedHandler(BaseHTTPRequestHandler):
             raise BodyRefused(400, "the body is not a JSON object")
         return body
 
+
+    def tarpit(self) -> None:
+        """Holds the answer to a refused request a while when its address is over its refusal rate: a
+        flood of forged tokens or of requests over a rate then goes at the pace of its connections (capped
+        per address), not as fast as this side can refuse."""
+        if not self.server.refusals.allow(self.client_address[0]):
+            time.sleep(self.server.limits.tarpit_s)
 
     def discard_body(self, limit: int) -> None:
         """Reads and drops the body of a request refused from its headers, when it is at most `limit`

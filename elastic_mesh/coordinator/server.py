@@ -90,6 +90,8 @@ class _Handler(HardenedHandler):
             self._reply(200, _ROUTES[self.path](coordinator, node, body))
         except Refused as e:
             self.discard_body(limit)
+            if e.status in (401, 403, 429):
+                self.tarpit()
             self._reply(e.status, {"error": str(e)})
         except BodyRefused as e:
             self._reply(e.status, {"error": str(e)})

@@ -207,6 +207,28 @@ def test_a_flood_of_one_forged_token_asks_the_coordinator_once_per_recheck(run, 
     assert len(asked) == 1
 
 
+def test_refusals_over_an_addresss_rate_are_answered_late(run):
+    """A forged-token flood from one address: the first 2 x refusals_per_s are answered at once, the rest
+    after tarpit_s, so the flood goes at the pace of its connections; a valid token beside it is not held."""
+    coordinator, worker, _ = run
+    server = serve(coordinator, worker, refusals_per_s=5.0, tarpit_s=0.5)
+    forged = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker[:-3] + "AAA")
+    honest = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker)
+    try:
+        took = []
+        for _ in range(14):
+            started = time.monotonic()
+            with pytest.raises(CoordinatorError):
+                forged.post("/v1/echo", {}, retry=False)
+            took.append(time.monotonic() - started)
+        assert max(took[:8]) < 0.4 and any(t >= 0.45 for t in took[10:]), took  # 10 at once, then held
+        started = time.monotonic()
+        assert honest.post("/v1/echo", {"a": 1}, retry=False)["keys"] == ["a"]
+        assert time.monotonic() - started < 0.4
+    finally:
+        server.stop()
+
+
 def test_what_a_client_sent_cannot_forge_a_log_line():
     assert printable("give back\n12:00:00 [orchestrator] worker w2 evicted") == \
         "give back\\n12:00:00 [orchestrator] worker w2 evicted"
