@@ -44,13 +44,14 @@ class RLCluster:
     def __init__(self, run_dir: Path, policy: Path, orchestrator_sets: list[str] | None = None,
                  trainer_sets: list[str] | None = None, wan=None, trainer_ranks: int = 1,
                  placement: dict[str, str] | None = None, worker_args: list[str] | None = None,
-                 niceness: dict[str, int] | None = None) -> None:
+                 niceness: dict[str, int] | None = None, tls: bool = False) -> None:
         """wan: a launch.wan.harness.WanTopology whose hosts are named after the roles (coordinator,
         orchestrator, trainer, worker names): each process runs in its host's namespace. placement: role ->
         the WAN host it runs on where that is not the host of its own name (roles sharing a host share its
         access link). trainer_ranks: local ranks of the trainer (more than 1: torchrun, FSDP2). worker_args:
         command-line options of every worker. niceness: role -> its CPU niceness (nice(1), 0 to 19): on one
-        machine every role shares its cores, where a deployment gives each role a machine of its own."""
+        machine every role shares its cores, where a deployment gives each role a machine of its own.
+        tls: the coordinator serves TLS (--tls on) even on loopback, and with it every role of the run."""
         for role, value in (niceness or {}).items():
             if not 0 <= value <= 19:
                 raise ValueError(f"niceness of {role} must be between 0 and 19, not {value}")
@@ -59,6 +60,7 @@ class RLCluster:
         self.orchestrator_sets, self.trainer_sets = orchestrator_sets or [], trainer_sets or []
         self.worker_args = list(worker_args or [])
         self.niceness = dict(niceness or {})
+        self.tls = tls
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
         self.orchestrator_address = ""
@@ -102,7 +104,8 @@ class RLCluster:
         address.unlink(missing_ok=True)
         self.spawn("coordinator", [sys.executable, "-m", "elastic_mesh.coordinator", "serve", "--host",
                                    self.host("coordinator"),
-                                   "--port", "0", "--state-dir", str(self.state_dir)])
+                                   "--port", "0", "--state-dir", str(self.state_dir),
+                                   *(["--tls", "on"] if self.tls else [])])
         wait_for(lambda: address.exists() or self._died("coordinator"), 60, "the coordinator's address")
 
     def start_orchestrator(self) -> None:

@@ -1,0 +1,385 @@
+"""Attacks on a running RL cluster, as a token holder and as a stranger, each measured by what it costs
+the honest run: trainer steps per minute during the attack over the same run unattacked.
+
+An RL cluster as `make rl-demo` starts it (coordinator with --tls on, orchestrator, trainer, 2 honest
+workers; it trains until stopped), then for each attack class a `--window`-second baseline and the
+same window under the attack (after a few seconds for it to bite): the run speeds up as it learns
+(shorter answers), so each class is held against the baseline measured just before it. The attacker
+is an ordinary client with its own worker tokens (a fresh token per class) or none; a stranger's raw
+connections come from 127.0.0.2, as from a host of their own (on one loopback address every honest
+role would share the attacker's per-address connection cap). Between classes the run is watched: a role that exited counts as a
+stop (and is restarted, so the next class meets a running cluster), and every batch's workers are read
+back: a rogue token's rollout in a batch counts.
+
+Classes (issue 50's table; the rest of its list is tested in tests/unit, named in the note at the end):
+  lease-hog        take every lease it can, never answer                  (1 worker token)
+  huge-bodies      60 MB JSON bodies to the orchestrator, 2 connections   (no token)
+  idle-flood       1058 idle TCP connections to the orchestrator         (no token)
+  forged-tokens    a flood of requests with a forged token                (no token)
+  bogus-holder     claim every chunk of each new version, never answer    (1 worker token)
+  slow-reader      read from the trainer's chunk server, 2 KiB / 25 ms, 6 streams (1 worker token)
+  report-trainer   report the trainer's address for unpublished and published versions, and
+                   `have` with its address                                (2 worker tokens)
+  submit-flood     submissions for leases it does not hold, as fast as allowed (1 worker token)
+
+Prints one line per class and ends with
+
+    rl_adversarial: worst <class> at R x baseline, run stopped N times, rogue rollouts in batches M
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import shutil
+import socket
+import ssl
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastic_mesh import BroadcastMember, BroadcastSettings, CoordinatorClient, CoordinatorError
+from elastic_mesh.control.token import read_token
+from launch.cluster import wait_for
+from launch.rl_cluster import RLCluster, new_policy
+
+HONEST = ("worker-a", "worker-b")
+STRANGER = "127.0.0.2"  # where connections without a token come from (Linux answers all of 127/8)
+
+
+class Attack:
+    """One attack class: start() begins it in background threads, stop() ends it."""
+
+    name = ""
+
+    def __init__(self, bench: "Bench") -> None:
+        self.bench, self.stopped = bench, threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.sockets: list[socket.socket] = []
+        self.tokens: list[str] = []
+
+    def token(self, suffix: str = "") -> str:
+        text = self.bench.cluster.token(f"rogue-{self.name}{suffix}").read_text()
+        self.tokens.append(read_token(text).token_id)
+        return text
+
+    def spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=self._guard, args=(target, *args), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _guard(self, target, *args) -> None:
+        while not self.stopped.is_set():
+            try:
+                target(*args)
+                return
+            except (OSError, CoordinatorError, ValueError):
+                self.stopped.wait(0.2)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for s in self.sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(5)
+
+
+class LeaseHog(Attack):
+    name = "lease-hog"
+
+    def start(self) -> None:
+        client = self.bench.orchestrator_client(self.token())
+
+        def hog() -> None:
+            while not self.stopped.is_set():
+                try:
+                    client.post("/v1/rl/lease", {"held": 10 ** 6}, retry=False)
+                except CoordinatorError as e:
+                    if e.status == 403:  # evicted: this token is done
+                        return
+                    self.stopped.wait(0.2)
+        for _ in range(4):
+            self.spawn(hog)
+
+
+class HugeBodies(Attack):
+    name = "huge-bodies"
+
+    def start(self) -> None:
+        def send() -> None:
+            while not self.stopped.is_set():
+                with self.bench.raw_connection() as s:
+                    s.sendall(b"POST /v1/rl/lease HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 62914560\r\n\r\n")
+                    block = b"[" + b"1," * (1 << 19)
+                    sent = 0
+                    while sent < 60 << 20 and not self.stopped.is_set():
+                        s.sendall(block)
+                        sent += len(block)
+        for _ in range(2):
+            self.spawn(send)
+
+
+class IdleFlood(Attack):
+    name = "idle-flood"
+
+    def start(self) -> None:
+        host, port = self.bench.cluster.orchestrator_address.rsplit(":", 1)
+
+        def hold() -> None:
+            while not self.stopped.is_set():
+                for s in list(self.sockets):
+                    if s.fileno() == -1:
+                        self.sockets.remove(s)
+                while len(self.sockets) < 1058 and not self.stopped.is_set():
+                    try:
+                        self.sockets.append(socket.create_connection((host, int(port)), timeout=2,
+                                                                     source_address=(STRANGER, 0)))
+                    except OSError:
+                        break
+                self.stopped.wait(1.0)
+        self.spawn(hold)
+
+
+class ForgedTokens(Attack):
+    name = "forged-tokens"
+
+    def start(self) -> None:
+        forged = self.bench.trainer_token[:-8] + "AAAAAAAA"
+
+        def flood() -> None:
+            client = self.bench.orchestrator_client(forged)
+            while not self.stopped.is_set():
+                try:
+                    client.post("/v1/rl/lease", {"held": 0}, retry=False)
+                except CoordinatorError:
+                    pass
+        for _ in range(4):
+            self.spawn(flood)
+
+
+class BogusHolder(Attack):
+    name = "bogus-holder"
+
+    def start(self) -> None:
+        member = BroadcastMember(self.token(), "policy", self.bench.run_dir / "rogue-bogus",
+                                 BroadcastSettings(host="127.0.0.1"), serve=False)
+        sink = socket.socket()
+        sink.bind(("127.0.0.1", 0))
+        sink.listen(1024)
+        self.sockets.append(sink)
+
+        def accept() -> None:
+            while not self.stopped.is_set():
+                conn, _ = sink.accept()
+                self.sockets.append(conn)  # never answered
+
+        def claim() -> None:
+            claimed = -1
+            while not self.stopped.is_set():
+                newest = self.bench.newest_version()
+                for version in range(max(claimed + 1, newest - 1), newest + 1):
+                    try:
+                        member.client.post("/v1/broadcast/have", {"kind": "policy", "version": version,
+                                                                  "host": "127.0.0.1", "port": sink.getsockname()[1],
+                                                                  "chunks": "all"}, retry=False)
+                    except CoordinatorError:
+                        pass
+                claimed = newest
+                self.stopped.wait(0.05)
+            member.stop()
+        self.spawn(accept)
+        self.spawn(claim)
+
+
+class SlowReader(Attack):
+    name = "slow-reader"
+
+    def start(self) -> None:
+        member = BroadcastMember(self.token(), "policy", self.bench.run_dir / "rogue-slow",
+                                 BroadcastSettings(host="127.0.0.1"), serve=False)
+        tls = member.client.tls_context()
+
+        def read_slowly() -> None:
+            while not self.stopped.is_set():
+                version = self.bench.newest_version()
+                origin = self.bench.origin_address(member, version)
+                host, port = origin.rsplit(":", 1)
+                raw = socket.create_connection((host, int(port)), timeout=10)
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+                self.sockets.append(s)
+                bitmap = base64.urlsafe_b64encode(b"\xff" * 64).decode().rstrip("=")
+                s.sendall(f"GET /v1/policy/{version}/fresh/{bitmap}?stream=1 HTTP/1.1\r\nHost: x\r\n"
+                          f"X-Mesh-Transfer-Key: {member.key}\r\n\r\n".encode())
+                while not self.stopped.is_set() and s.recv(2048):
+                    time.sleep(0.025)
+                s.close()
+        for _ in range(6):
+            self.spawn(read_slowly)
+
+
+class ReportTrainer(Attack):
+    name = "report-trainer"
+
+    def start(self) -> None:
+        members = [BroadcastMember(self.token(str(i)), "policy", self.bench.run_dir / f"rogue-report{i}",
+                                   BroadcastSettings(host="127.0.0.1"), serve=False) for i in range(2)]
+
+        def report(member: BroadcastMember) -> None:
+            while not self.stopped.is_set():
+                newest = self.bench.newest_version()
+                origin = self.bench.origin_address(member, newest)
+                host, port = origin.rsplit(":", 1)
+                for version in range(newest, newest + 300):
+                    for path, body in (("/v1/broadcast/report", {"kind": "policy", "version": version,
+                                                                 "source": origin, "chunk": 0, "reason": "bad\nline"}),
+                                       ("/v1/broadcast/have", {"kind": "policy", "version": version, "host": host,
+                                                               "port": int(port), "chunks": "all"})):
+                        if self.stopped.is_set():
+                            return
+                        try:
+                            member.client.post(path, body, retry=False)
+                        except CoordinatorError:
+                            pass
+                self.stopped.wait(0.5)
+            member.stop()
+        for m in members:
+            self.spawn(report, m)
+
+
+class SubmitFlood(Attack):
+    name = "submit-flood"
+
+    def start(self) -> None:
+        client = self.bench.orchestrator_client(self.token())
+        body = {"lease": "not-a-lease", "completions": []}
+
+        def flood() -> None:
+            while not self.stopped.is_set():
+                try:
+                    client.post("/v1/rl/submit", body, retry=False)
+                except CoordinatorError:
+                    pass
+        for _ in range(4):
+            self.spawn(flood)
+
+
+ATTACKS = [LeaseHog, HugeBodies, IdleFlood, ForgedTokens, BogusHolder, SlowReader, ReportTrainer, SubmitFlood]
+
+
+class Bench:
+    def __init__(self, run_dir: Path, window_s: float) -> None:
+        self.run_dir, self.window_s = run_dir, window_s
+        policy = new_policy(run_dir / "policy")
+        self.cluster = RLCluster(run_dir, policy, tls=True,
+                                 orchestrator_sets=["async_level=2", "seed=0"], trainer_sets=["max_steps=100000"])
+        self.stops = 0
+        self.trainer_token = ""
+        self._tls: ssl.SSLContext | None = None
+
+    def orchestrator_client(self, token: str) -> CoordinatorClient:
+        return CoordinatorClient(self.cluster.orchestrator_address, request_timeout_s=15, retry_s=15, bearer=token,
+                                 tls=self._tls)
+
+    def raw_connection(self) -> socket.socket:
+        host, port = self.cluster.orchestrator_address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=10, source_address=(STRANGER, 0))
+        return self._tls.wrap_socket(s, server_hostname=host) if self._tls is not None else s
+
+    def newest_version(self) -> int:
+        """The newest policy version the orchestrator holds."""
+        return int(self.status()["newest"])
+
+    def origin_address(self, member: BroadcastMember, version: int) -> str:
+        holders = member.client.post("/v1/broadcast/holders", {"kind": "policy", "version": version})["holders"]
+        return next(h["address"] for h in holders if h["origin"])
+
+    def status(self) -> dict:
+        return self.orchestrator_client(self.trainer_token).post("/v1/rl/status", {})
+
+    def rate(self, seconds: float) -> float:
+        """Trainer steps per minute over the next `seconds`."""
+        first, began = self.status()["next_step"], time.monotonic()
+        time.sleep(seconds)
+        return (self.status()["next_step"] - first) * 60 / (time.monotonic() - began)
+
+    def heal(self) -> None:
+        """Restarts any role that exited: each counts as a stop of the run."""
+        if self.cluster.procs["coordinator"].poll() is not None:
+            raise SystemExit("rl_adversarial: the coordinator exited: the run cannot go on")
+        for name in ("orchestrator", "trainer", *HONEST):
+            proc = self.cluster.procs[name]
+            if proc.poll() is not None:
+                self.stops += 1
+                print(f"rl_adversarial: {name} exited with {proc.returncode}; restarting it", flush=True)
+                if name == "orchestrator":
+                    self.cluster.start_orchestrator()
+                elif name == "trainer":
+                    self.cluster.start_trainer()
+                else:
+                    self.cluster.start_worker(name)
+
+    def rogue_rollouts(self, rogues: set[str]) -> int:
+        return sum(n for b in self.cluster.events("batch") for w, n in (b.get("workers") or {}).items() if w in rogues)
+
+    def run(self, names: list[str]) -> int:
+        results: list[tuple[str, float]] = []
+        rogues: set[str] = set()
+        with self.cluster:
+            self.cluster.start(list(HONEST))
+            self.trainer_token = self.cluster.token("trainer", publish=True).read_text()
+            self._tls = CoordinatorClient.for_token(self.trainer_token, bearer=True).tls_context()
+            wait_for(lambda: self.status()["next_step"] >= 5, 300, "five trainer steps")
+            print(f"rl_adversarial: TLS {'on' if self._tls else 'off'}, {len(HONEST)} honest workers, "
+                  f"{self.window_s:.0f} s windows", flush=True)
+            for attack_class in [a for a in ATTACKS if a.name in names]:
+                baseline = self.rate(self.window_s)
+                attack = attack_class(self)
+                attack.start()
+                time.sleep(3)  # time to bite
+                try:
+                    during = self.rate(self.window_s)
+                except CoordinatorError as e:
+                    during = 0.0
+                    print(f"rl_adversarial: {attack.name}: the orchestrator did not answer: {e}", flush=True)
+                attack.stop()
+                rogues.update(attack.tokens)
+                results.append((attack.name, during / baseline if baseline else 0.0))
+                print(f"rl_adversarial: {attack.name:15s} {during:6.1f} steps/min against {baseline:6.1f} just before "
+                      f"= {results[-1][1]:.2f} x baseline", flush=True)
+                time.sleep(3)
+                self.heal()
+            rogue_rows = self.rogue_rollouts(rogues)
+        worst = min(results, key=lambda r: r[1])
+        print(f"rl_adversarial: worst {worst[0]} at {worst[1]:.2f} x baseline, run stopped {self.stops} times, "
+              f"rogue rollouts in batches {rogue_rows}")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/bench-rl-adversarial"), help="emptied first")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds each rate is measured over (default 30)")
+    parser.add_argument("--attacks", default=",".join(a.name for a in ATTACKS),
+                        help="comma-separated classes (default: all)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.attacks.split(",") if n]
+    unknown = set(names) - {a.name for a in ATTACKS}
+    if unknown:
+        parser.error(f"unknown attack classes {sorted(unknown)}; known: {[a.name for a in ATTACKS]}")
+    shutil.rmtree(args.run_dir, ignore_errors=True)
+    args.run_dir.mkdir(parents=True)
+    return Bench(args.run_dir, args.window).run(names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
