@@ -140,6 +140,7 @@ class BroadcastMember:
         self._proven: dict[str, None] = {}
         self._suspects: dict[str, int] = {}  # source -> the download count when it was last suspected
         self._downloads = 0
+        self._last_picker: SourcePicker | None = None
         self.server: ChunkServer | None = None
         if serve:
             # The server keeps what the member tells it to (retention below), plus a version read in the last
@@ -273,6 +274,8 @@ class BroadcastMember:
 
         s = self.settings
         self._downloads += 1
+        if self._last_picker is not None:  # what the last download's requests still in flight came to
+            self._learn(self._last_picker)
         picker = SourcePicker(s.streams_per_source, s.max_failures, proven=set(self._proven),
                               suspects={a for a, when in self._suspects.items()
                                         if self._downloads - when <= SUSPECT_DOWNLOADS})
@@ -293,6 +296,7 @@ class BroadcastMember:
             view.stop()
             self._recent_peers = set(view.current) - view.origins
             self._learn(picker)
+            self._last_picker = picker
         report.seconds = time.monotonic() - started
         self._dirty.set()
         self._retire()
@@ -305,8 +309,10 @@ class BroadcastMember:
                 self._suspects.pop(source, None)
                 self._proven.pop(source, None)
                 self._proven[source] = None
-            elif (stats.failures or stats.in_flight) and source not in self._proven:
-                # failed, or still silent when the download ended (others brought its chunks first)
+            elif stats.failures and source not in self._proven:
+                # A request still in flight when its download ended is judged by how it ends: the picker
+                # is read again before the next download. (Merely in flight proves nothing: a standing
+                # request waits at an honest peer that had nothing new, and ends 'busy'.)
                 self._suspects.pop(source, None)
                 self._suspects[source] = self._downloads
         for memory in (self._proven, self._suspects):

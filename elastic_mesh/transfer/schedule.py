@@ -114,12 +114,14 @@ class DownloadSchedule:
                 return request
         ranked = []
         for index in pool:
-            have = [s for s in usable if bitmap_has(holders[s], index) and s not in self.excluded.get(index, ())
-                    and s not in self.in_flight.get(index, ())
+            holding = [s for s in usable if bitmap_has(holders[s], index) and s not in self.excluded.get(index, ())]
+            have = [s for s in holding if s not in self.in_flight.get(index, ())
                     and not (self.streamed and (s in self.standing or s in self.streamed_from))]
+            if any(not self.picker.suspected(s) for s in holding):
+                # A suspect is asked only when nobody else holds the chunk: not even while the others
+                # are busy (a seeder streaming to this member, say).
+                have = [s for s in have if not self.picker.suspected(s)]
             others = [s for s in have if s not in seeders]
-            if any(s in seeders for s in have):  # a suspect beside a seeder counts for nothing
-                others = [s for s in others if not self.picker.suspected(s)]
             if others or have:
                 ranked.append((len(others), index, others or have, [s for s in have if s in seeders]))
         ranked.sort(key=lambda r: r[0])  # stable: rarest first, ties in this member's shuffled order
@@ -149,7 +151,8 @@ class DownloadSchedule:
 
     def _standing(self, usable: list[str], holders: dict[str, bytes | None], seeders: set[str],
                   fresh: list[int]) -> Request | None:
-        peers = [s for s in usable if holders[s] is not None and s not in seeders and s not in self.standing]
+        peers = [s for s in usable if holders[s] is not None and s not in seeders and s not in self.standing
+                 and not self.picker.suspected(s)]
         if peers and (source := self.picker.pick(peers)) is not None:
             self.standing.add(source)
             return Request(tuple(fresh), source, self.wait_s)
