@@ -28,6 +28,11 @@ from elastic_mesh.transfer.sources import SourcePicker
 
 ENDGAME_MIN_S = 0.25    # a chunk in flight at least this long may be asked of a second source
 ENDGAME_FIRST_S = 1.0   # ... before any chunk of the download has arrived to tell the usual pace
+# How long a holder that has not delivered yet may keep a request before the seeder is asked for a chunk
+# it claims. A new connection, its TLS handshake and the first answer take about 4 round trips (0.33 s on
+# the `global` profile's 80 ms); a bogus holder's waiting streams cost a download about this much more
+# (loopback, 1.2 MB: 11.05 s with the ordinary time-out, 1.05 s at the endgame's 1 s, 0.62 s at 0.5 s).
+UNPROVEN_PATIENCE_S = 0.5
 
 
 class NoUsableSource(TransferError):
@@ -127,9 +132,12 @@ class DownloadSchedule:
         ranked.sort(key=lambda r: r[0])  # stable: rarest first, ties in this member's shuffled order
         for rarity, index, have, seeding in ranked:
             source = self.picker.pick(have)
-            if source is None and seeding and not any(self.picker.proven(s) for s in have):
-                # Its other holders are busy and none of them has delivered yet (a holder that claims
-                # chunks and never answers looks like this): the seeder, rather than waiting on them.
+            if source is None and seeding and not any(self.picker.proven(s) for s in have) and \
+                    self._overdue(have, now, min(patience, UNPROVEN_PATIENCE_S)):
+                # Its other holders are busy, none of them has delivered yet and one has kept a request
+                # past the endgame's patience (a holder that claims chunks and never answers looks like
+                # this): the seeder, rather than waiting on them. Not sooner: a peer that answers at the
+                # usual pace spares the seeder's uplink.
                 source = self.picker.pick(seeding)
             if source is None:
                 continue
@@ -148,6 +156,11 @@ class DownloadSchedule:
         if not self.in_flight and not self.seeding and missing and not ranked and now - self.last_progress >= self.stall_s:
             raise NoUsableSource(missing[0])
         return None
+
+    def _overdue(self, sources: list[str], now: float, patience: float) -> bool:
+        """Whether any of `sources` holds a chunk request of this download older than `patience`."""
+        asked = set(sources)
+        return any(now - self.asked_at.get(i, now) >= patience for i, who in self.in_flight.items() if who & asked)
 
     def _standing(self, usable: list[str], holders: dict[str, bytes | None], seeders: set[str],
                   fresh: list[int]) -> Request | None:
