@@ -135,7 +135,7 @@ class DownloadSchedule:
             if source is None and seeding and not any(self.picker.proven(s) for s in have) and \
                     self._overdue(have, now, min(patience, UNPROVEN_PATIENCE_S)):
                 # Its other holders are busy, none of them has delivered yet and one has kept a request
-                # past the endgame's patience (a holder that claims chunks and never answers looks like
+                # past UNPROVEN_PATIENCE_S (a holder that claims chunks and never answers looks like
                 # this): the seeder, rather than waiting on them. Not sooner: a peer that answers at the
                 # usual pace spares the seeder's uplink.
                 source = self.picker.pick(seeding)

@@ -8,8 +8,8 @@ sends bad bytes `max_failures` times, or is banned outright, is not used again b
 
 What a member learned in its earlier downloads comes in as `proven` (sources that delivered) and
 `suspects` (sources that failed and never delivered: a holder that claims chunks and never answers).
-A suspect is asked only when no other source holds the chunk, so a bogus holder costs one download
-its first-byte deadline, not every download.
+A suspect is asked only when no other source holds the chunk, so a bogus holder costs the downloads
+until a request of it fails (each the seeder's patience, schedule.py), not every download.
 """
 
 from __future__ import annotations

@@ -101,13 +101,13 @@ def test_busy_sources_leave_nothing_to_start_and_a_complete_download_asks_nothin
 
 def test_a_holder_that_has_not_delivered_does_not_keep_chunks_from_the_seeder():
     """A bogus holder claims every chunk (issue 50: every honest download waited out a 10 s time-out on
-    it). While its streams are busy, it has delivered nothing and a request of it is past the endgame's
-    patience, the seeder is asked instead; once it is a suspect (a request of it failed in an earlier
+    it). While its streams are busy, it has delivered nothing and a request of it is older than
+    UNPROVEN_PATIENCE_S, the seeder is asked instead; once it is a suspect (a request of it failed in an earlier
     download of this member), it counts for nothing beside a seeder."""
     s = schedule(4, per_source=2)
     requests = drain(s, set(), {"origin": None, "bogus": None}, seeders={"origin"})
     assert [r.source for r in requests] == ["bogus", "bogus"]  # never tried: tried first; at once, waited for
-    late = drain(s, set(), {"origin": None, "bogus": None}, seeders={"origin"}, now=1.0)  # ENDGAME_FIRST_S on
+    late = drain(s, set(), {"origin": None, "bogus": None}, seeders={"origin"}, now=0.6)  # past 0.5 s
     assert late and all(r.source == "origin" for r in late)  # ...but not past the patience
     honest = schedule(4, per_source=2)
     honest.picker.done("peer", 1000, 0.1)  # a peer that delivered: its busy streams are waited for
