@@ -403,7 +403,7 @@ def test_reports_cannot_ban_the_publisher_name_unpublished_versions_or_pile_up(r
             m.stop()
 
 
-def test_a_holder_that_claims_every_chunk_and_never_answers_costs_one_first_byte_deadline(run):
+def test_a_holder_that_claims_every_chunk_and_never_answers_is_asked_no_more_once_a_request_of_it_failed(run):
     """Issue 50: a worker token names a socket that accepts and never answers as a holder of every chunk
     of each new version. Honest downloads waited out the 10 s time-out on it (0.04 -> 11 s a version);
     now the seeder is asked beside it, its requests end at the first-byte deadline, and in later
