@@ -37,6 +37,7 @@ import ssl
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from elastic_mesh import BroadcastMember, BroadcastSettings, CoordinatorClient, CoordinatorError
@@ -48,7 +49,7 @@ HONEST = ("worker-a", "worker-b")
 STRANGER = "127.0.0.2"  # where connections without a token come from (Linux answers all of 127/8)
 
 
-class Attack:
+class Attack(ABC):
     """One attack class: start() begins it in background threads, stop() ends it."""
 
     name = ""
@@ -57,12 +58,20 @@ class Attack:
         self.bench, self.stopped = bench, threading.Event()
         self.threads: list[threading.Thread] = []
         self.sockets: list[socket.socket] = []
+        self.members: list[BroadcastMember] = []
         self.tokens: list[str] = []
 
     def token(self, suffix: str = "") -> str:
         text = self.bench.cluster.token(f"rogue-{self.name}{suffix}").read_text()
         self.tokens.append(read_token(text).token_id)
         return text
+
+    def member(self, suffix: str = "") -> BroadcastMember:
+        """A broadcast member of a fresh worker token that serves nothing: the attacker's coordinator client."""
+        member = BroadcastMember(self.token(suffix), "policy", self.bench.run_dir / f"rogue-{self.name}{suffix}",
+                                 BroadcastSettings(host="127.0.0.1"), serve=False)
+        self.members.append(member)
+        return member
 
     def spawn(self, target, *args) -> None:
         thread = threading.Thread(target=self._guard, args=(target, *args), daemon=True)
@@ -77,8 +86,9 @@ class Attack:
             except (OSError, CoordinatorError, ValueError):
                 self.stopped.wait(0.2)
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Begins the attack in threads of spawn()."""
 
     def stop(self) -> None:
         self.stopped.set()
@@ -89,6 +99,8 @@ class Attack:
                 pass
         for t in self.threads:
             t.join(5)
+        for member in self.members:
+            member.stop()
 
 
 class LeaseHog(Attack):
@@ -169,8 +181,7 @@ class BogusHolder(Attack):
     name = "bogus-holder"
 
     def start(self) -> None:
-        member = BroadcastMember(self.token(), "policy", self.bench.run_dir / "rogue-bogus",
-                                 BroadcastSettings(host="127.0.0.1"), serve=False)
+        member = self.member()
         sink = socket.socket()
         sink.bind(("127.0.0.1", 0))
         sink.listen(1024)
@@ -194,7 +205,6 @@ class BogusHolder(Attack):
                         pass
                 claimed = newest
                 self.stopped.wait(0.05)
-            member.stop()
         self.spawn(accept)
         self.spawn(claim)
 
@@ -203,8 +213,7 @@ class SlowReader(Attack):
     name = "slow-reader"
 
     def start(self) -> None:
-        member = BroadcastMember(self.token(), "policy", self.bench.run_dir / "rogue-slow",
-                                 BroadcastSettings(host="127.0.0.1"), serve=False)
+        member = self.member()
         tls = member.client.tls_context()
 
         def read_slowly() -> None:
@@ -230,8 +239,7 @@ class ReportTrainer(Attack):
     name = "report-trainer"
 
     def start(self) -> None:
-        members = [BroadcastMember(self.token(str(i)), "policy", self.bench.run_dir / f"rogue-report{i}",
-                                   BroadcastSettings(host="127.0.0.1"), serve=False) for i in range(2)]
+        members = [self.member(str(i)) for i in range(2)]
 
         def report(member: BroadcastMember) -> None:
             while not self.stopped.is_set():
@@ -250,7 +258,6 @@ class ReportTrainer(Attack):
                         except CoordinatorError:
                             pass
                 self.stopped.wait(0.5)
-            member.stop()
         for m in members:
             self.spawn(report, m)
 
