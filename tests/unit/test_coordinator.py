@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -178,11 +179,10 @@ def test_late_node_is_left_out_after_the_deadline(coordinator, tmp_path):
         stop.set()
 
 
-def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_for(coordinator, tmp_path):
-    """c joins after step 1 and says it will be back for step 3: step 2 goes without it at once, and
-    step 3's barrier waits for it although, when a is ready, c holds no committed step yet (it commits
-    its replay of step 2 0.2 s later, within one of a's rounds of ~0.7 s). Without the promise step 3
-    would go without c at once."""
+@contextlib.contextmanager
+def _one_node_stepping(coordinator, tmp_path):
+    """Node a joined and heartbeating (and every client added to `clients`), with step_alone(step): a
+    round a takes by itself, committed."""
     a = joined(coordinator, tmp_path, "a")
     stop, clients = threading.Event(), [a]
     threading.Thread(target=lambda: [([c.post("/v1/heartbeat", {}) for c in list(clients)], time.sleep(0.2))
@@ -193,6 +193,17 @@ def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_fo
         assert plan["world_size"] == 1 and _vote(a, plan) == "apply"
         a.post("/v1/commit", {"round": step, "state_hash": f"h{step}"})
     try:
+        yield a, clients, step_alone
+    finally:
+        stop.set()
+
+
+def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_for(coordinator, tmp_path):
+    """c joins after step 1 and says it will be back for step 3: step 2 goes without it at once, and
+    step 3's barrier waits for it although, when a is ready, c holds no committed step yet (it commits
+    its replay of step 2 0.2 s later, within one of a's rounds of ~0.7 s). Without the promise step 3
+    would go without c at once."""
+    with _one_node_stepping(coordinator, tmp_path) as (a, clients, step_alone):
         step_alone(1)
         c = joined(coordinator, tmp_path, "c")
         clients.append(c)
@@ -213,24 +224,13 @@ def test_a_node_catching_up_is_waited_for_at_the_step_it_said_it_will_be_back_fo
         assert pa["status"] == pc["status"] == "go" and pa["world_size"] == pc["world_size"] == 2, (pa, pc)
         assert c.post("/v1/will_join", {"round": 3})["status"] == "missed"  # its members are fixed
         assert not any("left out" in e["text"] for e in a.get_status()["events"])
-    finally:
-        stop.set()
 
 
 def test_a_node_back_from_a_catch_up_costs_the_others_one_ordinary_round_at_most(coordinator, tmp_path):
     """a's rounds come every ~0.3 s. c says it will be back for step 5 and does not come: step 5 goes
     without it after about one ordinary round, not after the 1 s deadline a node holding the last
     step would get. (Before, a joiner's last replay and first steps could hold a round for 2.6 s.)"""
-    a = joined(coordinator, tmp_path, "a")
-    stop, clients = threading.Event(), [a]
-    threading.Thread(target=lambda: [([c.post("/v1/heartbeat", {}) for c in list(clients)], time.sleep(0.2))
-                                     for _ in iter(lambda: stop.is_set(), True)], daemon=True).start()
-
-    def step_alone(step):
-        plan = _ready(a, step)
-        assert plan["world_size"] == 1 and _vote(a, plan) == "apply"
-        a.post("/v1/commit", {"round": step, "state_hash": f"h{step}"})
-    try:
+    with _one_node_stepping(coordinator, tmp_path) as (a, clients, step_alone):
         for step in range(1, 4):
             step_alone(step)
             time.sleep(0.3)  # the inner steps of an ordinary round
@@ -244,8 +244,6 @@ def test_a_node_back_from_a_catch_up_costs_the_others_one_ordinary_round_at_most
         waited = time.monotonic() - started
         assert 0.2 <= waited < 0.8, waited
         assert any("round 5: left out late node(s) c" in e["text"] for e in a.get_status()["events"])
-    finally:
-        stop.set()
 
 
 def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
