@@ -37,6 +37,7 @@ import torch.distributed as dist
 from elastic_mesh.wire.codecs import BLOCK, Codec, codec_for
 from elastic_mesh.wire.pacing import MAX_SPREAD_S, MIN_SPREAD_S, Pacer, piece_bytes
 from elastic_mesh.wire.socket_pacing import GroupSockets
+from elastic_mesh.wire.sparse import SparseCodec
 from elastic_mesh.wire.steps import CollectiveError, pairwise, post, ring_gather, slow_peers, wait
 from elastic_mesh.wire.topology import LinkEstimates, choose_ring, rate_matrix
 
@@ -58,12 +59,18 @@ class AllReduceResult:
     ring_changed: bool = False
     rates: list[list[float]] | None = None  # bytes/s from i to j the ring was chosen on (None: no measurements)
     kernel_paced: int = 0  # connections the kernel paced as well as the token bucket (socket_pacing.py)
+    # A sparse exchange: this member's contribution as every member decoded it (None: it was left out),
+    # which its error feedback takes away from what it owes.
+    sent: torch.Tensor | None = None
 
 
-def decode_wire(wire: torch.Tensor, codec: Codec | str, layout: list[list[int]]) -> torch.Tensor:
+def decode_wire(wire: torch.Tensor, codec: Codec | SparseCodec | str, layout: list[list[int]]) -> torch.Tensor:
     """The mean an all-reduce produced, from its `wire` bytes (what each member computed, bit for bit).
-    codec: the one it was encoded with, or its name."""
+    codec: the one it was encoded with, or its name. Raises ValueError for bytes that do not fit."""
     codec = codec_for(codec) if isinstance(codec, str) else codec
+    if isinstance(codec, SparseCodec):
+        from elastic_mesh.wire.sparse_gather import sparse_mean
+        return sparse_mean(wire, codec, layout)
     out, offset = [], 0
     for chunk, elements, world in layout:
         encoded = codec.encoded_size(chunk)
@@ -98,13 +105,19 @@ def all_reduce_mean(pg: dist.ProcessGroup | list[dist.ProcessGroup], x: torch.Te
     groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
     x = x.detach().reshape(-1).float().cpu()
     peers = peers or [str(r) for r in range(groups[0].size())]
-    agreed = agree(groups[0], x, codec, contributes, valid, outlier_factor, links, peers, spread_s)
+    if isinstance(codec, SparseCodec):  # contributions are gathered whole, not summed hop by hop
+        from elastic_mesh.wire.sparse_gather import gather_mean
+        return gather_mean(groups[0], x, codec, contributes, valid, outlier_factor, on_phase, links, peers,
+                           spread_s, finish_s, started)
+    world = groups[0].size()
+    # What each member sends (both phases), paced to the agreed spread, in pieces everyone cuts alike.
+    to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
+    agreed = agree(groups[0], x, to_send, contributes, valid, outlier_factor, links, peers, spread_s)
     if not agreed.contributors or x.numel() == 0:
         return AllReduceResult(torch.zeros_like(x), agreed.contributors, agreed.refused,
                                seconds=time.perf_counter() - started)
     runner = _StripeRunner(groups, x, codec, agreed, on_phase, links, peers, finish_s, sockets)
     stripes = runner.run()
-    world = groups[0].size()
     # Both phases, the headers and the 4-byte markers that time each scatter transfer.
     moved = sum(st.moved for st in stripes) + (world - 1) * (4 * header_size(world) + 4 * len(stripes))
     return AllReduceResult(torch.cat([st.mean for st in stripes]), agreed.contributors, agreed.refused, moved, moved,
@@ -128,11 +141,12 @@ class Agreement:
     pace: float | None  # bytes/s its sends are posted at (None: the link's rate)
 
 
-def agree(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributes: list[bool], valid: bool,
+def agree(pg: dist.ProcessGroup, x: torch.Tensor, to_send: int, contributes: list[bool], valid: bool,
           outlier_factor: float, links: LinkEstimates | None, peers: list[str],
           spread_s: float | None) -> Agreement:
     """The agreement step: every member sends its header (finite? norm? contributes? size, measured
-    link rates, last ring, spread) and decides the same from everyone's."""
+    link rates, last ring, spread) and decides the same from everyone's. to_send: the bytes this member
+    will send, which the agreed spread paces."""
     rank, world = pg.rank(), pg.size()
     norm = float(x.norm()) if x.numel() else 0.0
     finite = valid and math.isfinite(norm)
@@ -146,8 +160,6 @@ def agree(pg: dist.ProcessGroup, x: torch.Tensor, codec: Codec, contributes: lis
     if len(sizes) != 1:
         raise CollectiveError(f"members disagree on the tensor size: {sorted(sizes)}", "header")
     ring, rates = _agree_on_ring(headers, world)
-    # What each member sends (both phases), paced to the agreed spread, in pieces everyone cuts alike.
-    to_send = 2 * (world - 1) * codec.encoded_size(-(-x.numel() // world))
     spread = _agree_on_spread(headers)
     ring_changed = False
     if links:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from elastic_mesh.wire.codecs import BLOCK, codec_for
+from elastic_mesh.wire.sparse import SparseCodec
 from tests.conftest import member_processes
 
 
@@ -39,10 +40,13 @@ def _member(rank, world, port, size, compression, special, queue, streams=1):
         x[3] = float("nan")
     if special == "outlier" and rank == 2:
         x *= 1000
+    codec = codec_for(compression)
+    if special in ("truncating", "understating") and rank == 1:
+        codec = _LyingSparseCodec(codec.chunk, codec.k, codec.bits, codec.packing, special)
     try:
         if special == "liar" and rank == 1:
-            return _lie(pg, x, codec_for(compression), world, queue)
-        result = all_reduce_mean(pg, x, codec_for(compression), [True] * world, outlier_factor=10.0)
+            return _lie(pg, x, codec, world, queue)
+        result = all_reduce_mean(pg, x, codec, [True] * world, outlier_factor=10.0)
         digest = hashlib.sha256(result.mean.numpy().tobytes()).hexdigest()
         # What a peer that missed the step replays (the wire bytes) must decode to the same mean, bit for bit.
         if result.wire is not None and not torch.equal(
@@ -56,6 +60,24 @@ def _member(rank, world, port, size, compression, special, queue, streams=1):
     except BaseException as e:  # anything else is a bug: report it now rather than as a queue timeout
         queue.put((rank, None, None, {}, 0, ("crashed", repr(e))))
         raise
+
+
+class _LyingSparseCodec(SparseCodec):
+    """A sparse member whose bytes are not what it declares: cut short, or a contribution twice the
+    norm its header states."""
+
+    def __init__(self, chunk, k, bits, packing, how):
+        super().__init__(chunk, k, bits, packing)
+        object.__setattr__(self, "how", how)
+
+    def encode(self, x):
+        encoded = super().encode(x)
+        return encoded[:-5] if self.how == "truncating" else encoded
+
+    def decode(self, buf, n):
+        if self.how == "truncating":
+            return torch.ones(n)
+        return super().decode(buf, n) / 2
 
 
 def _lie(pg, x, codec, world, queue):
