@@ -22,6 +22,7 @@ _PUBLIC = {
     "RoundPlan": "elastic_mesh.rounds.plan",
     "AllReduceResult": "elastic_mesh.wire.collectives",
     "decode_wire": "elastic_mesh.wire.collectives",
+    "SparseCodec": "elastic_mesh.wire.sparse",
     "Chunked": "elastic_mesh.transfer.chunks",
     # the coordinator: its client, its settings and ledgers, and the errors of the library
     "CoordinatorClient": "elastic_mesh.control.client",
@@ -86,3 +87,4 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from elastic_mesh.transfer.chunk_dir import ChunkDir
     from elastic_mesh.transfer.chunks import Chunked, TransferError
     from elastic_mesh.wire.collectives import AllReduceResult, decode_wire
+    from elastic_mesh.wire.sparse import SparseCodec

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from elastic_mesh import ElasticDeviceMesh, MeshConfig, node_hash
 from prime.data.shards import data_fingerprint, make_shards
 from prime.diloco.config import DilocoConfig
+from prime.diloco.error_feedback import ErrorFeedback
 from prime.diloco.faults import OuterStepFaults
 from prime.diloco.hook import build_outer_loop
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
@@ -27,8 +28,9 @@ def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int):
     return publish
 
 
-def _restore_outer(trainer: Trainer, outer: OuterOptimizer, sync_period: int) -> int:
-    """The outer step a resumed node's checkpoint holds (0 when it did not resume), its outer state loaded."""
+def _restore_outer(trainer: Trainer, outer: OuterOptimizer, feedback: ErrorFeedback | None, sync_period: int) -> int:
+    """The outer step a resumed node's checkpoint holds (0 when it did not resume), its outer state (and
+    the sparse compression's residual) loaded."""
     if trainer.restored is None:
         return 0
     saved = trainer.checkpoints.load_rank_tensors(trainer.restored)
@@ -40,6 +42,12 @@ def _restore_outer(trainer: Trainer, outer: OuterOptimizer, sync_period: int) ->
         raise ValueError(f"{trainer.restored} is at inner step {trainer.step}, not at the end of outer step {step}; "
                          "it cannot be resumed exactly")
     outer.load_state_tensor(saved["diloco_state"])
+    if feedback is not None:
+        if "diloco_error_feedback" in saved:
+            feedback.load_state_tensor(saved["diloco_error_feedback"])
+        else:  # written by a run with dense compression: nothing was left unsent
+            log.warning("%s holds no sparse residual (written with dense compression); it starts at zero",
+                        trainer.restored)
     return step
 
 
@@ -47,7 +55,8 @@ def shared_settings(diloco: DilocoConfig, mesh: MeshConfig) -> dict:
     """Settings of the outer loop every node of a run must share (the coordinator names any difference)."""
     return {"diloco.inner_steps": diloco.inner_steps, "diloco.mode": diloco.mode,
             "diloco.fragments": diloco.fragment_count, "diloco.overlap": diloco.overlap,
-            "diloco.compression": diloco.compression, "diloco.outer_lr": diloco.outer_lr,
+            "diloco.compression": diloco.wire_format, "diloco.outer_lr": diloco.outer_lr,
+            "diloco.error_decay": diloco.sparse.error_decay if diloco.compression == "sparse" else None,
             "diloco.outer_momentum": diloco.outer_momentum, "mesh.streams_per_peer": mesh.streams_per_peer}
 
 
@@ -65,7 +74,8 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
                          "the newest whole snapshot; raise mesh.keep_rounds")
     outer = OuterOptimizer(local_shards(trainer.model), diloco.outer_lr, diloco.outer_momentum,
                            diloco.fragment_count)
-    restored_step = _restore_outer(trainer, outer, diloco.sync_period)
+    feedback = ErrorFeedback(sum(outer.sizes), diloco.sparse.error_decay) if diloco.compression == "sparse" else None
+    restored_step = _restore_outer(trainer, outer, feedback, diloco.sync_period)
     # The run leases data shards to local ranks as work of kind "data" (elastic_mesh knows no shards).
     data = {"items": len(make_shards(trainer.train_files, config.data.parts_per_file)),
             "fingerprint": data_fingerprint(trainer.train_files, config.data.parts_per_file)}
@@ -76,7 +86,8 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
     # and the averaged updates of the last mesh.keep_rounds, which a node a few steps behind replays.
     serves = {"snapshot": 2, "update": mesh_config.keep_rounds, "inner": 2}
     mesh = ElasticDeviceMesh(mesh_config, token, facts, serves)
-    hook = build_outer_loop(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults, restored_step)
+    hook = build_outer_loop(trainer.model, mesh, diloco, outer, trainer.run_dir / "downloads", faults, restored_step,
+                            feedback)
     worker = dist.get_rank()
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     trainer.join_run(RunMembership(

@@ -199,15 +199,23 @@ class CatchUp:
         target = sources["committed_round"]
         start = self.outer_step
         for step in range(start + 1, target + 1):
-            manifest, tensors, _ = self._agreed(
-                lambda: self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}"))
-            meta = manifest["meta"]
-            mean = tensors["mean"] if "mean" in tensors else decode_wire(
-                tensors["wire"], meta["codec"], meta["layout"])
+            mean, meta = self._agreed(lambda: self._fetch_update(sources, step))
             self.outer.apply(mean, meta.get("fragment"))  # the model gets the result once caught up
             self.outer_step = step
         self._check_hash(target, sources)
         return target - start
+
+    def _fetch_update(self, sources: dict, step: int) -> tuple[torch.Tensor, dict]:
+        """The mean of outer step `step` and its meta, decoded from its wire bytes (bytes that do not decode
+        are a failed transfer: ValueError, which _agreed turns into one; the hash check catches the rest)."""
+        manifest, tensors, _ = self.mesh.fetch(sources, "update", step, self.work_dir / f"rank{self.mesh.local_rank}")
+        meta = manifest["meta"]
+        if "mean" in tensors:
+            return tensors["mean"], meta
+        try:
+            return decode_wire(tensors["wire"], meta["codec"], meta["layout"]), meta
+        except (TypeError, RuntimeError, IndexError) as e:  # a layout that does not fit the bytes
+            raise ValueError(f"update {step} does not decode: {e}") from e
 
     def _check_hash(self, step: int, sources: dict) -> None:
         expected = sources["hashes"].get(step)

@@ -7,7 +7,38 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic_mesh import SparseCodec
+
 log = logging.getLogger(__name__)
+
+
+class SparseCompression(BaseModel):
+    """diloco.compression = sparse: what each node sends of its pseudo-gradient (SparseLoCo's scheme; see
+    elastic_mesh/wire/sparse.py and prime/diloco/error_feedback.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk: int = Field(4096, ge=2, le=1 << 20, description="Values per top-k selection.")
+    k: int = Field(64, ge=1, description="Values kept per chunk (64 of 4096: 1.56 %).")
+    value_bits: int = Field(2, ge=1, le=4, description="Bits per kept value: its sign and 2^(bits-1) magnitude "
+                                                       "levels (bf16, one set per chunk).")
+    index_packing: Literal["rice", "fixed"] = Field(
+        "rice", description="rice: gaps between sorted indices, Rice-coded (~7.4 bits an index at 64 of 4096). "
+                            "fixed: log2(chunk) bits each (12 at 4096, two per 3 bytes: SparseLoCo's).")
+    error_decay: float = Field(0.95, ge=0, le=1, description="The residual (what was not sent) is added to the "
+                                                             "next pseudo-gradient × this; 0: no error feedback.")
+
+    @model_validator(mode="after")
+    def _makes_a_codec(self) -> "SparseCompression":
+        try:
+            SparseCodec(self.chunk, self.k, self.value_bits, self.index_packing)
+        except ValueError as e:
+            raise ValueError(f"diloco.sparse: {e}") from None
+        return self
+
+    @property
+    def codec_name(self) -> str:
+        return SparseCodec(self.chunk, self.k, self.value_bits, self.index_packing).name
 
 
 class DilocoConfig(BaseModel):
@@ -57,9 +88,12 @@ class DilocoConfig(BaseModel):
                             "zero, bias correction from step 0); the learning-rate schedule is unaffected.")
     outer_lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
-    compression: Literal["int8", "bf16", "none"] = Field(
-        "int8", description="Wire format of the pseudo-gradient all-reduce (accumulation is always fp32)."
-    )
+    compression: Literal["int8", "bf16", "none", "sparse"] = Field(
+        "int8", description="Wire format of the pseudo-gradients (accumulation is always fp32). int8, bf16, none: "
+                            "dense, summed on the way (scatter, then gather). sparse: the top-k of every chunk in "
+                            "a few bits with error feedback (diloco.sparse), gathered whole by every node.")
+    sparse: SparseCompression = Field(default_factory=SparseCompression,
+                                      description="diloco.compression = sparse: its settings.")
     outlier_factor: float = Field(
         10.0, gt=1, description="A pseudo-gradient whose norm is over this × the others' median is refused."
     )
@@ -105,6 +139,12 @@ class DilocoConfig(BaseModel):
                              "modes the inner steps run on while an outer step is in flight, so there is no "
                              "moment between rounds to reset at")
         return self
+
+    @property
+    def wire_format(self) -> str:
+        """The codec's name on the wire (elastic_mesh's codec_for): the compression, or the sparse codec's
+        full name, which carries its settings."""
+        return self.sparse.codec_name if self.compression == "sparse" else self.compression
 
     @property
     def fragment_count(self) -> int:

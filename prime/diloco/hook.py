@@ -28,6 +28,7 @@ import torch
 from elastic_mesh import ElasticDeviceMesh
 from prime.diloco.blocking import BlockingOuterLoop
 from prime.diloco.config import DilocoConfig
+from prime.diloco.error_feedback import ErrorFeedback
 from prime.diloco.faults import OuterStepFaults
 from prime.diloco.outer_optimizer import OuterOptimizer
 from prime.diloco.overlapped import OverlappedOuterLoop
@@ -53,9 +54,10 @@ class OuterLoop(Protocol):
 
 def build_outer_loop(model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig, outer: OuterOptimizer,
                      work_dir: Path, faults: OuterStepFaults | None = None,
-                     restored_step: int = 0) -> BlockingOuterLoop | OverlappedOuterLoop:
+                     restored_step: int = 0,
+                     error_feedback: ErrorFeedback | None = None) -> BlockingOuterLoop | OverlappedOuterLoop:
     """The outer loop of diloco.mode over one replica's state. restored_step: the outer step a resumed
-    node's checkpoint holds (0: it did not resume)."""
-    replica = DilocoReplica(model, mesh, config, outer, work_dir, faults)
+    node's checkpoint holds (0: it did not resume). error_feedback: the sparse compression's residual."""
+    replica = DilocoReplica(model, mesh, config, outer, work_dir, faults, error_feedback)
     replica.outer_step = restored_step
     return BlockingOuterLoop(replica) if config.mode == "blocking" else OverlappedOuterLoop(replica)

@@ -78,6 +78,15 @@ class OuterOptimizer:
         buf = buf.mul_(mu).add_(g) if keep else buf.mul(mu).add_(g)
         return g.add(buf, alpha=mu)  # Nesterov
 
+    def span(self, fragment: int | None = None) -> tuple[int, int]:
+        """The fragment's values as one run of the flat parameters (split_evenly cuts consecutive runs)."""
+        pieces = self._pieces(fragment)
+        if not pieces:
+            return 0, 0
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        (first, lo, _), (last, _, hi) = pieces[0], pieces[-1]
+        return starts[first] + lo, starts[last] + hi
+
     def pseudo_gradient(self, shards: list[torch.Tensor], fragment: int | None = None) -> torch.Tensor:
         """outer − inner over the fragment (everything by default), flattened: one collective."""
         pieces = self._pieces(fragment)

@@ -191,13 +191,14 @@ class OverlappedOuterLoop:
         """An overlapped outer step: decided, applied to the fragment's outer params (not the model),
         committed and served to peers, all while the inner steps go on."""
         r = self.replica
-        exchange = r.exchange(mesh, step, pseudo, data, contribute, pace)
+        exchange = r.exchange(mesh, step, pseudo, data, contribute, pace, fragment)
         decided = time.perf_counter()
         if exchange.status == "applied":
             r.faults.decided(step)
             r.outer.apply(exchange.result.mean, fragment)
             if self.config.eager == "mixed":  # the others' share of this step: the next estimate's
-                r.outer.remember_others(fragment, exchange.result.mean, pseudo if exchange.contributed else None,
+                sent = exchange.result.sent if exchange.result.sent is not None else pseudo  # sparse: as decoded
+                r.outer.remember_others(fragment, exchange.result.mean, sent if exchange.contributed else None,
                                         len(exchange.result.contributors))
             exchange.model_hash = r.commit(mesh, step)
             if self.config.serve_snapshots:

@@ -31,7 +31,7 @@ class SnapshotPublisher:
         """Snapshot of step k and the update that made it, published in the background (the outer state does
         not change until the next outer step, which waits for this thread first). The update travels as
         the all-reduce's own encoded bytes: int8 is ~3.9× smaller than the fp32 mean, and decodes to it
-        exactly. The inner AdamW moments are copied now (the next inner step changes them) and served
+        exactly (a sparse exchange: the contributions' bytes, ~200× smaller). The inner AdamW moments are copied now (the next inner step changes them) and served
         too, so a joiner does not start from empty moments. result None: resumed from a checkpoint (the
         state, without the update that made it)."""
         if not self.config.serve_snapshots:
@@ -52,7 +52,7 @@ class SnapshotPublisher:
                                fragment: int | None = None) -> None:
         if result.wire is not None:
             update = {"wire": result.wire}
-            meta = {"codec": self.config.compression, "layout": result.layout}
+            meta = {"codec": self.config.wire_format, "layout": result.layout}
         else:  # nobody contributed: the mean is zeros, sent as is
             update, meta = {"mean": result.mean}, {}
         if fragment is not None and self.config.fragment_count > 1:

@@ -16,6 +16,7 @@ import torch
 from elastic_mesh import CoordinatorError, ElasticDeviceMesh, node_hash
 from prime.diloco.catch_up import CatchUp
 from prime.diloco.config import DilocoConfig
+from prime.diloco.error_feedback import ErrorFeedback
 from prime.diloco.exchange import Exchange, Pace, exchange
 from prime.diloco.faults import NoFaults, OuterStepFaults
 from prime.diloco.outer_optimizer import OuterOptimizer, local_shards
@@ -29,10 +30,17 @@ log = logging.getLogger(__name__)
 DROPS_IN_A_ROW = 5
 
 
+def _amount(nbytes: int) -> str:
+    """Bytes for a person: a sparse outer step sends kilobytes where int8 sends megabytes."""
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
+
+
 class DilocoReplica:
     def __init__(self, model: torch.nn.Module, mesh: ElasticDeviceMesh, config: DilocoConfig,
-                 outer: OuterOptimizer, work_dir: Path, faults: OuterStepFaults | None = None) -> None:
+                 outer: OuterOptimizer, work_dir: Path, faults: OuterStepFaults | None = None,
+                 error_feedback: ErrorFeedback | None = None) -> None:
         self.model, self.mesh, self.config, self.outer = model, mesh, config, outer
+        self.error_feedback = error_feedback  # diloco.compression = sparse
         self.faults = faults or NoFaults()
         # verified chunks of an interrupted download survive a restart here
         self.catch_up = CatchUp(model, mesh, config, outer, Path(work_dir))
@@ -86,9 +94,17 @@ class DilocoReplica:
         raise AssertionError("unreachable")
 
     def exchange(self, mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: list[dict],
-                 contributes: bool = True, pace: Pace | None = None) -> Exchange:
-        return exchange(mesh, step, pseudo, data, self.config.compression, self.config.outlier_factor,
+                 contributes: bool = True, pace: Pace | None = None, fragment: int | None = None) -> Exchange:
+        """Outer step `step` for the fragment's pseudo-gradient (None: the whole model). With error
+        feedback, what goes out is the pseudo-gradient plus the residual, and the residual is settled
+        once the step is applied (error_feedback.py)."""
+        feedback, span = self.error_feedback, self.outer.span(fragment)
+        offered = feedback.compensate(pseudo, span) if feedback is not None and contributes else pseudo
+        done = exchange(mesh, step, offered, data, self.config.wire_format, self.config.outlier_factor,
                         lambda phase: self.faults.allreduce_phase(step, phase), contributes, pace)
+        if feedback is not None and done.status == "applied":
+            feedback.settle(span, offered, done.result.sent)
+        return done
 
     def out_of_step(self, trainer: TrainerView, exchange: Exchange) -> dict:
         """The coordinator went on without this node (or dropped it): this round's work is thrown away and
@@ -138,14 +154,17 @@ class DilocoReplica:
         trainer.progress.note(
             f"outer step {exchange.step}{late}: epoch {plan.epoch}, {len(result.contributors)}/{plan.world_size} "
             f"nodes averaged, all-reduce {result.seconds:.2f} s{' in the background' if late else ''}, "
-            f"{result.bytes_sent / 1e6:.2f} MB sent, {'inner steps waited' if late else 'round'} {waited_s:.2f} s, "
+            f"{_amount(result.bytes_sent)} sent, {'inner steps waited' if late else 'round'} {waited_s:.2f} s, "
             f"hash {model_hash}")
         return record
 
     def outer_state(self, step: int) -> dict[str, torch.Tensor]:
         """Saved with every checkpoint: what a resumed node needs besides the model and inner optimizer
         (`step`: the last outer step applied to the outer params)."""
-        return {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(step)}
+        state = {"diloco_state": self.outer.state_tensor(), "diloco_outer_step": torch.tensor(step)}
+        if self.error_feedback is not None:
+            state["diloco_error_feedback"] = self.error_feedback.state_tensor()
+        return state
 
     def finish(self, trainer: TrainerView, ended_on: int) -> None:
         """After the last step (the run ended on outer step `ended_on`): keeps serving a while, so a node

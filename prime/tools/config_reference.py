@@ -62,10 +62,14 @@ def _cell(text: str) -> str:
     return (text or "").replace("|", "\\|").replace("\n", " ")
 
 
-def _table(model: type[BaseModel], option) -> list[str]:
-    """One row per field; `option(name)` is the command-line form of a field."""
+def _table(model: type[BaseModel], option, nested: bool = False) -> list[str]:
+    """One row per field; `option(name)` is the command-line form of a field. nested: a field that is a
+    model of its own (diloco.sparse) gets a row per field of it instead (--diloco.sparse.k)."""
     lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
+        if nested and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            lines += _table(field.annotation, lambda sub, n=name: option(f"{n}.{sub}"), nested)[2:]
+            continue
         lines.append(f"| `{option(name)}` | {_cell(_type_name(field.annotation))} | {_default(field)} "
                      f"| {_cell(field.description or '')} |")
     return lines
@@ -78,7 +82,7 @@ def generate() -> str:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             doc = (annotation.__doc__ or "").strip().splitlines()[0] if annotation.__doc__ else ""
             out += [f"### `[{section}]` ({annotation.__name__})", ""] + ([doc, ""] if doc else [])
-            out += _table(annotation, lambda name, s=section: f"--{s}.{name}") + [""]
+            out += _table(annotation, lambda name, s=section: f"--{s}.{name}", nested=True) + [""]
         else:
             out += [f"### `{section}`", "", _cell(field.description or ""), f"(default {_default(field)};"
                     f" `--{section} VALUE`)", ""]

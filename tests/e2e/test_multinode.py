@@ -269,8 +269,10 @@ def _last_by_step(records: list[dict], key: str) -> dict[int, float]:
 def test_whole_run_stopped_and_resumed_repeats_the_uninterrupted_run(tmp_path, corpus):
     """Every process of a 2-node run is SIGKILLed after outer step 5 and restarted with --resume: the run
     rolls back to the nodes' checkpoints of outer step 4 (weights, outer and inner optimizer states,
-    schedule, data cursors) and goes on bit for bit as the same run that was never interrupted."""
-    extra = ["--checkpoint.every", "10", "--chaos.step_delay_s", "0.2"]  # checkpoints at outer steps 2, 4, 6
+    schedule, data cursors, and the sparse compression's residual: the run compresses sparsely, the one
+    compression with state of its own) and goes on bit for bit as the same run that was never interrupted."""
+    extra = ["--checkpoint.every", "10", "--chaos.step_delay_s", "0.2",  # checkpoints at outer steps 2, 4, 6
+             "--diloco.compression", "sparse", "--diloco.outer_lr", "1.0"]
     with cluster(tmp_path / "uninterrupted", corpus, 2, steps=40) as ref:
         _start_in_order(ref, extra)
         assert ref.wait_nodes(300) == {"node0": 0, "node1": 0}, ref.log("node1")[-3000:]
