@@ -39,8 +39,13 @@ def gather_mean(pg: dist.ProcessGroup, x: torch.Tensor, codec: SparseCodec, cont
     is this member's contribution as everyone decoded it (for its error feedback), None if it was left out."""
     rank, world, n = pg.rank(), pg.size(), x.numel()
     offering = contributes[rank] and valid and bool(torch.isfinite(x).all()) and n > 0
-    encoded = codec.encode(x) if offering else PLACEHOLDER
-    own = codec.decode(encoded, n) if offering else x
+    encoded, own = PLACEHOLDER, x
+    if offering:
+        encoded = codec.encode(x)
+        try:
+            own = codec.decode(encoded, n)
+        except ValueError:  # values near the float32 limit round to an infinite bf16 level: not finite either
+            offering, encoded, own = False, PLACEHOLDER, torch.full_like(x, float("nan"))
     agreed = agree(pg, own, (world - 1) * encoded.numel(), contributes, valid, outlier_factor, links, peers, spread_s)
     if not agreed.contributors or n == 0:
         return AllReduceResult(torch.zeros_like(x), agreed.contributors, agreed.refused,

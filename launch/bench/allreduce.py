@@ -7,6 +7,10 @@ int8 over 1, 2, 4 ... TCP connections per peer pair (mesh.streams_per_peer) in t
 
     python launch/bench/allreduce.py [--nodes 3] [--mb 100] [--mbit 30] [--latency-ms 10] [--repeats 2]
     python launch/bench/allreduce.py --nodes 3 --mb 20 --mbit 5 --latency-ms 40 --loss 0.1 --streams 1,2,4 --no-fp32
+    python launch/bench/allreduce.py --profile global --mb 25.6 --sparse --no-fp32   (int8 against sparse)
+
+--sparse adds the sparse exchange (diloco.compression = sparse, its default settings: gathered whole,
+encoding and decoding timed with it) and prints its time over int8's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-from launch.wan.harness import LinkProfile, WanTopology
+from elastic_mesh import SparseCodec
+from launch.wan.harness import PROFILES, LinkProfile, WanTopology
 
 
 def main() -> int:
@@ -34,10 +39,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--streams", default="1", help="TCP connections per peer pair for int8, comma-separated")
     parser.add_argument("--no-fp32", action="store_true", help="skip Gloo's fp32 all_reduce (slow links)")
+    parser.add_argument("--sparse", action="store_true", help="also the sparse exchange, timed against int8")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                        help="a WAN profile of launch/wan/harness.py instead of --mbit/--latency-ms/--loss")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     profile = LinkProfile(latency_ms=args.latency_ms, jitter_ms=0, loss=args.loss / 100, up_mbit=args.mbit,
                           down_mbit=args.mbit)
+    if args.profile:
+        profile = PROFILES[args.profile]
+        args.mbit, args.latency_ms, args.loss = profile.up_mbit, profile.latency_ms, profile.loss * 100
     hosts = [f"m{i}" for i in range(args.nodes)]
     with WanTopology(hosts, profile) as wan:
         print(wan.describe(), flush=True)
@@ -45,7 +56,8 @@ def main() -> int:
         procs = [subprocess.Popen(wan.exec_prefix(h) + [sys.executable, str(REPO / "launch/bench/allreduce_worker.py"),
                                                         str(i), str(args.nodes), master, str(args.mb),
                                                         str(args.repeats), wan.interface(),
-                                                        json.dumps({"streams": streams, "fp32": not args.no_fp32})],
+                                                        json.dumps({"streams": streams, "fp32": not args.no_fp32,
+                                                                    "sparse": SparseCodec().name if args.sparse else ""})],
                                   stdout=subprocess.PIPE, text=True) for i, h in enumerate(hosts)]
         out = procs[0].communicate(timeout=3600)[0]
         for p in procs[1:]:
@@ -67,6 +79,12 @@ def main() -> int:
                                                                   if s != streams[0] else ""))
     print(f"{int8_need / 1e6:.1f} MB uploaded per member, error {results['int8_error'] * 100:.2f}%")
     print(f"int8 phase end times (s since start): {results.get('phases')}")
+    if args.sparse:
+        sparse_s = statistics.median(results["prime_sparse_fixed_x1"])
+        print(f"prime sparse exchange ({SparseCodec().name}): {sparse_s:.2f} s, "
+              f"{results['sparse_bytes_sent'] / 1e6:.3f} MB uploaded per member, cosine to the exact mean "
+              f"{results['sparse_cosine']:.3f}")
+        print(f"sparse exchange / int8 all-reduce: {sparse_s / int8[streams[0]]:.3f}x the time")
     if not args.no_fp32:
         print(f"speed-up int8 ({streams[0]} stream(s)) / fp32: {fp32_s / int8[streams[0]]:.2f}x "
               f"(wire bytes {fp32_need / int8_need:.2f}x fewer)")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mesh.wire.codecs import codec_for
+from elastic_mesh.wire.sparse import SparseCodec
 from elastic_mesh.wire.collectives import all_reduce_mean
 from elastic_mesh.wire.topology import LinkEstimates
 
@@ -37,6 +38,8 @@ def main() -> None:
     n = int(mb * 1e6 / 4)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     names = (["gloo_fp32"] if with_fp32 else []) + [f"prime_int8_{ring}_x{s}" for ring in rings for s in streams]
+    sparse = SparseCodec.from_name(settings["sparse"]) if settings.get("sparse") else None
+    names += ["prime_sparse_fixed_x1"] if sparse else []
     results = {name: [] for name in names}
     results["int8_bytes_sent"] = 0
     pg.barrier().wait()
@@ -47,6 +50,9 @@ def main() -> None:
             if name == "gloo_fp32":
                 y = x.clone()
                 pg.allreduce([y]).wait()
+            elif name == "prime_sparse_fixed_x1":  # encoding and decoding included: they are the exchange's
+                sparse_result = all_reduce_mean(pg, x, sparse, [True] * world)
+                results["sparse_bytes_sent"] = sparse_result.bytes_sent
             else:
                 marks = {}
                 count = int(name.rsplit("x", 1)[1])
@@ -63,6 +69,8 @@ def main() -> None:
     if rank == 0:
         exact = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)) / world
         results["int8_error"] = ((result.mean - exact).norm() / exact.norm()).item()
+        if sparse:
+            results["sparse_cosine"] = float(sparse_result.mean @ exact / (sparse_result.mean.norm() * exact.norm()))
         print(json.dumps(results), flush=True)
 
 

@@ -60,6 +60,9 @@ SWEPT = {
     "inner_optimizer": ("diloco.inner_optimizer", str),
     "warmup": ("optim.warmup_steps", int),
     "batch_mult": (None, int),  # the per-replica batch, in multiples of the config's (baselines follow it)
+    "compression": ("diloco.compression", str),  # int8 (the default: left out of an arm, so older results match) or sparse
+    "sparse_k": ("diloco.sparse.k", int),
+    "error_decay": ("diloco.sparse.error_decay", float),
 }
 
 
@@ -119,7 +122,12 @@ def plan(args, config) -> list[dict]:
     arms = []
     for seed in args.seeds:
         for combo in itertools.product(*(values[n] for n in names)):
-            arms.append({"kind": "diloco", "nodes": args.nodes, "seed": seed, **dict(zip(names, combo)), **length})
+            arm = {"kind": "diloco", "nodes": args.nodes, "seed": seed, **dict(zip(names, combo)), **length}
+            if arm.get("compression") == "int8":
+                del arm["compression"]  # the default, as every arm before the option existed ran
+            if arm.get("compression") != "sparse" and any(k in arm for k in ("sparse_k", "error_decay")):
+                continue  # sparse settings mean nothing to a dense arm
+            arms.append(arm)
         for mult in values["batch_mult"]:
             for warmup in values["warmup"]:
                 for kind in ("data-parallel", "one node") if args.baselines else ():
@@ -183,7 +191,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     rows = sorted(rows, key=lambda r: (r["kind"] != "diloco", r["mean"]))
     short = {"inner_steps": "H", "outer_lr": "lr", "outer_momentum": "mom", "mode": "", "eager": "eager",
              "overlap_steps": "tau", "inner_optimizer": "AdamW",
-             "warmup": "warm-up", "batch_mult": "batch x"}
+             "warmup": "warm-up", "batch_mult": "batch x", "compression": "", "sparse_k": "k", "error_decay": "decay"}
     varied = {k for k in SWEPT if len({r.get(k) for r in rows if r["kind"] == "diloco"}) > 1}
     # A baseline's own settings, where the baselines differ in them (warm-up, batch): else two bars read alike.
     base_varied = [k for k in ("warmup", "batch_mult") if len({r.get(k) for r in rows if r["kind"] != "diloco"}) > 1]

@@ -19,8 +19,14 @@ from prime.pretrain.trainer import RunMembership, Trainer
 log = logging.getLogger(__name__)
 
 
-def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int):
+def _dashboard_sink(mesh: ElasticDeviceMesh, inner_steps: int, every: int):
+    """What of the node's metrics goes to the run's dashboard (with its heartbeats): every outer-step,
+    eval and checkpoint record, and an inner step's record every `every` steps (the progress line's
+    cadence). Every step's record was ~0.2 kB per inner step on the wire: more than a sparse outer step
+    sends per inner step at H=100 (launch/bench/comm_bytes.py); metrics.jsonl keeps them all."""
     def publish(record: dict) -> None:
+        if "loss" in record and "outer_step" not in record and record.get("step", 0) % every:
+            return
         # Right after an outer step the model is the outer model: its eval loss is the run's.
         if "eval_loss" in record and record.get("step", 1) % inner_steps == 0:
             record = {**record, "outer_eval_loss": record["eval_loss"]}
@@ -92,7 +98,7 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     trainer.join_run(RunMembership(
         name=mesh.name, run_id=mesh.joined["run_id"], hook=hook, checkpoint_tensors=hook.checkpoint_tensors,
-        checkpoint_multiple=H, sync_every=diloco.sync_period, sink=_dashboard_sink(mesh, H),
+        checkpoint_multiple=H, sync_every=diloco.sync_period, sink=_dashboard_sink(mesh, H, max(1, config.train.log_every)),
         lease=lambda held, spare: mesh.lease("data", worker, held, spare), worker=worker))
     if dist.get_rank() == 0 and config.train.eval_every % H:
         log.warning("[%s] train.eval_every %d is not a multiple of diloco.inner_steps %d: eval loss will be measured "

@@ -12,6 +12,7 @@ from tests.e2e.test_multinode import (
     assert_identical,
     cluster,
     join_midway,
+    node2_killed_in_the_exchange_of_step_2,
 )
 
 DELAYED = ["--diloco.mode", "delayed"]
@@ -84,15 +85,7 @@ def test_delayed_kill_mid_all_reduce_keeps_the_round(tmp_path, corpus):
     the mixed estimate, whose others' share changes with the members; each average applied 3 steps
     after its launch, not a whole round of 5)."""
     with cluster(tmp_path, corpus, 3, extra=[*DELAYED, "--diloco.eager", "mixed", "--diloco.overlap_steps", "3"]) as c:
-        for name in ("node0", "node1"):
-            c.start_node(name)
-        c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
-        codes = c.wait_nodes(240)
-        assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None), c.log("node0")[-3000:]
-        assert_identical(c, ["node0", "node1"], range(1, 7))
-        step2 = c.outer_records("node0")[2]
-        assert step2["attempt"] >= 2 and step2["members"] == 2, step2
-        assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+        node2_killed_in_the_exchange_of_step_2(c)
         assert "applied 3 steps late" in c.log("node0")
         assert_exactly_once(c, corpus)
 

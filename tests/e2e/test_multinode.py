@@ -88,17 +88,24 @@ def test_kill_during_inner_steps(tmp_path, corpus):
         assert_exactly_once(c, corpus)
 
 
+def node2_killed_in_the_exchange_of_step_2(c: LocalCluster) -> dict:
+    """node0 and node1 train; node2 dies mid-exchange of outer step 2, which the survivors retry with
+    their pseudo-gradients kept; they end identical. node0's outer-step records."""
+    for name in ("node0", "node1"):
+        c.start_node(name)
+    c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
+    codes = c.wait_nodes(240)
+    assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None), c.log("node0")[-3000:]
+    assert_identical(c, ["node0", "node1"], range(1, 7))
+    records = c.outer_records("node0")
+    assert records[2]["attempt"] >= 2 and records[2]["members"] == 2, records[2]
+    assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+    return records
+
+
 def test_kill_during_the_all_reduce(tmp_path, corpus):
     with cluster(tmp_path, corpus, 3) as c:
-        for name in ("node0", "node1"):
-            c.start_node(name)
-        c.start_node("node2", ["--chaos.kill_in_allreduce_at", "2"])
-        codes = c.wait_nodes(240)
-        assert codes["node0"] == codes["node1"] == 0 and codes["node2"] not in (0, None)
-        assert_identical(c, ["node0", "node1"], range(1, 7))
-        step2 = c.outer_records("node0")[2]
-        assert step2["attempt"] >= 2 and step2["members"] == 2, step2
-        assert "will be retried with the pseudo-gradients kept" in c.log("node0")
+        node2_killed_in_the_exchange_of_step_2(c)
         rounds = c.status()["rounds"]
         assert [s["decision"] for s in rounds if s["round"] == 2][-1] == "apply"
         assert_exactly_once(c, corpus)

@@ -104,6 +104,14 @@ def test_hostile_bytes_get_a_value_error_not_a_crash():
         fixed.decode(torch.frombuffer(data, dtype=torch.uint8), n)
 
 
+def test_values_near_the_float32_limit_do_not_decode_to_infinities():
+    """Their bf16 level rounds to infinity: decoding refuses it (the exchange then treats the
+    contribution as non-finite, which everyone leaves out)."""
+    codec = SparseCodec(64, 8, 2, "rice")
+    with pytest.raises(ValueError, match="not finite"):
+        codec.decode(codec.encode(torch.full((64,), 3.3e38)), 64)
+
+
 def test_settings_are_validated_and_named():
     for bad in [dict(k=0), dict(k=5000), dict(bits=0), dict(bits=5), dict(k=63, bits=2), dict(packing="zip"),
                 dict(chunk=1)]:
