@@ -93,7 +93,8 @@ def measure_exchange() -> float:
 
 
 def _cpu_demo_parameters() -> int:
-    return sum(p.numel() for p in build_model(load_config(REPO / "configs/cpu-demo.toml").model, 0, "meta").parameters())
+    model = build_model(load_config(REPO / "configs/cpu-demo.toml").model, 0, "meta")
+    return sum(p.numel() for p in model.parameters())
 
 
 def measure_codec_cost(nodes: int = 4, inner_steps: int = 30) -> tuple[float, float, float]:

@@ -98,7 +98,8 @@ def attach_to_run(trainer: Trainer, diloco: DilocoConfig, mesh_config: MeshConfi
     # Each local rank leases its own shards, mid-round if it runs out; see prime/data/leased.py.
     trainer.join_run(RunMembership(
         name=mesh.name, run_id=mesh.joined["run_id"], hook=hook, checkpoint_tensors=hook.checkpoint_tensors,
-        checkpoint_multiple=H, sync_every=diloco.sync_period, sink=_dashboard_sink(mesh, H, max(1, config.train.log_every)),
+        checkpoint_multiple=H, sync_every=diloco.sync_period,
+        sink=_dashboard_sink(mesh, H, max(1, config.train.log_every)),
         lease=lambda held, spare: mesh.lease("data", worker, held, spare), worker=worker))
     if dist.get_rank() == 0 and config.train.eval_every % H:
         log.warning("[%s] train.eval_every %d is not a multiple of diloco.inner_steps %d: eval loss will be measured "
