@@ -7,12 +7,9 @@ Decoding is deterministic, so every member that decodes the same bytes gets the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from elastic_mesh.wire.sparse import SparseCodec
+from elastic_mesh.wire.sparse import SparseCodec
 
 BLOCK = 64  # values per int8 scale; also the granularity every codec pads chunks to
 
@@ -69,10 +66,9 @@ class Int8Codec(Codec):
         return (q.float() * scale.unsqueeze(1)).view(-1)
 
 
-def codec_for(name: str) -> "Codec | SparseCodec":
+def codec_for(name: str) -> Codec | SparseCodec:
     """The codec a name stands for: int8, bf16, none, or a sparse codec's full name (wire/sparse.py)."""
     if name.startswith("sparse:"):
-        from elastic_mesh.wire.sparse import SparseCodec
         return SparseCodec.from_name(name)
     codecs = {"int8": Int8Codec, "bf16": BF16Codec, "none": Codec}
     if name not in codecs:

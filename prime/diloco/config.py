@@ -31,14 +31,13 @@ class SparseCompression(BaseModel):
     @model_validator(mode="after")
     def _makes_a_codec(self) -> "SparseCompression":
         try:
-            SparseCodec(self.chunk, self.k, self.value_bits, self.index_packing)
+            self.codec()
         except ValueError as e:
             raise ValueError(f"diloco.sparse: {e}") from None
         return self
 
-    @property
-    def codec_name(self) -> str:
-        return SparseCodec(self.chunk, self.k, self.value_bits, self.index_packing).name
+    def codec(self) -> SparseCodec:
+        return SparseCodec(self.chunk, self.k, self.value_bits, self.index_packing)
 
 
 class DilocoConfig(BaseModel):
@@ -144,7 +143,7 @@ class DilocoConfig(BaseModel):
     def wire_format(self) -> str:
         """The codec's name on the wire (elastic_mesh's codec_for): the compression, or the sparse codec's
         full name, which carries its settings."""
-        return self.sparse.codec_name if self.compression == "sparse" else self.compression
+        return self.sparse.codec().name if self.compression == "sparse" else self.compression
 
     @property
     def fragment_count(self) -> int:

@@ -85,7 +85,7 @@ def test_hostile_bytes_get_a_value_error_not_a_crash():
         "empty": b"",
         "short": good[:-1],
         "long": good + b"\0",
-        "magic": b"XXXX" + good[4:],
+        "magic": b"JUNK" + good[4:],
         "other n": good[:4] + struct.pack("<q", n + 1) + good[12:],
         "other k": good[:16] + struct.pack("<i", 32) + good[20:],
         "rice r": good[:26] + bytes([200]) + good[27:],
