@@ -34,9 +34,11 @@ from elastic_mesh.transfer.chunks import (
     lay_out,
     root_hash,
 )
+from elastic_mesh.transfer.evidence import ChunkSigner, EvidenceError, sha256_hex
 from elastic_mesh.transfer.fetcher import (
     Download,
     FetchReport,
+    Served,
     get_chunk,
     stream_chunks,
 )
@@ -110,9 +112,12 @@ class BroadcastMember:
         self.client = CoordinatorClient.for_token(token, request_timeout_s=30, retry_s=60, bearer=True)
         # A serving member of a run that speaks TLS gets a certificate for its own key with the hello.
         identity = MemberIdentity() if serve and info.tls_fp else None
+        # A serving member signs what it serves with a key of its own the coordinator vouches for (evidence.py).
+        signer = ChunkSigner() if serve else None
         try:
             hello = self.client.post("/v1/broadcast/hello",
-                                     {"tls_public_key": identity.public_pem} if identity else {})
+                                     {**({"tls_public_key": identity.public_pem} if identity else {}),
+                                      **({"chunk_key": signer.public_hex} if signer else {})})
         except CoordinatorError as e:
             raise BroadcastError(f"the coordinator at {info.coordinator} refused this member: {e}") from None
         if info.key_fp and fingerprint(hello["public_key"]) != info.key_fp:
@@ -149,6 +154,8 @@ class BroadcastMember:
                                       pin_s=5.0, upload_slots=self.settings.upload_slots)
             if identity is not None:
                 self.server.tls = identity.server_context(hello["tls_cert"])
+            signer.certify(hello["chunk_credential"])
+            self.server.signer = signer
             self._announcer = threading.Thread(target=self._announce_loop, daemon=True, name="broadcast-have")
             self._announcer.start()
 
@@ -263,12 +270,21 @@ class BroadcastMember:
             if self.on_progress:
                 self.on_progress(done[0], target.chunks)
 
-        def bad(source: str, index: int, why: str) -> None:
-            log.warning("%s %d: %s sent a bad chunk %d (%s); reported to the coordinator", self.kind, version,
-                        source, index, why)
+        def bad(source: str, index: int, why: str, served: Served) -> None:
+            report = {"kind": self.kind, "version": version, "source": source, "chunk": index, "reason": why}
+            digest = sha256_hex(served.data)
+            try:  # the source's own signed word on these bytes is what lets the coordinator act on the report
+                if served.proof is None:
+                    raise EvidenceError("the source signed nothing")
+                served.proof.check(self.public_key, self.run_id, self.kind, version, index, digest)
+                report["evidence"] = {**served.proof.as_json(), "sha256": digest}
+                proven = "with its signed statement"
+            except EvidenceError as e:
+                proven = f"without evidence ({e}): a failed transfer, not a ban"
+            log.warning("%s %d: %s sent a bad chunk %d (%s); reported to the coordinator %s", self.kind, version,
+                        source, index, why, proven)
             try:
-                self.client.post("/v1/broadcast/report", {"kind": self.kind, "version": version, "source": source,
-                                                          "chunk": index, "reason": why}, retry=False)
+                self.client.post("/v1/broadcast/report", report, retry=False)
             except CoordinatorError as e:
                 log.warning("could not report %s: %s", source, e)
 

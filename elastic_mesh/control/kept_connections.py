@@ -38,6 +38,13 @@ class KeptConnections:
         fresh connection; the whole body is read even on an error status, so the connection stays usable.
         first_byte_s: the connection and the answer's head must come within this (TimeoutError), where
         a peer not yet known to answer may be one that never does."""
+        status, _, data = self.exchange(address, method, path, body, headers, first_byte_s)
+        return status, data
+
+    def exchange(self, address: str, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None,
+                 first_byte_s: float | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """As request(), with the answer's headers: (status, headers, body)."""
         conn, response = self._send(address, method, path, body, headers, first_byte_s)
         try:
             data = response.read()
@@ -45,7 +52,7 @@ class KeptConnections:
             conn.close()
             raise
         self._give_back(address, conn, response.will_close)
-        return response.status, data
+        return response.status, response.headers, data
 
     @contextmanager
     def streaming(self, address: str, method: str, path: str, headers: dict[str, str] | None = None,

@@ -5,12 +5,13 @@ the coordinator checks its shape, signs it with the run's key and keeps the newe
 each kind (in SQLite, so a restarted coordinator still knows them). Every process that holds chunks of
 a version says so (`have`, a bitmap, renewed within `holder_ttl_s` or forgotten), and asks who holds
 what (`holders`). A member that received a chunk that does not match the signed hash reports its
-source; two reporters with different tokens, or one with the publish right, ban that source for that
-version (one alone could be lying about an honest peer). A publisher's own address (an origin) is never
-banned by reports: the bytes it serves are the ones whose hashes it had signed, so a mismatch from it is
-a failed transfer, not a lie (two colluding worker tokens could otherwise stop the run by banning the
-trainer). Reports name a kept version and a bounded number of sources per token, so spam cannot grow
-memory or the event log. A holder entry belongs to the token that made it: no token overwrites another's.
+source. Evidence, not votes: a report bans only with the source's own signed statement that it sent
+bytes whose hash is not the manifest's (transfer/evidence.py), and then it bans the token whose key
+signed it, from serving that kind at all. A report without such evidence is an event and nothing
+more, however many tokens make it (two colluding worker tokens once stopped a run by reporting the
+trainer's address). Reports name a kept version and a bounded number of sources per token, so spam
+cannot grow memory or the event log. A holder entry belongs to the token that made it: no token
+overwrites another's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from elastic_mesh.control.token import JoinToken
 from elastic_mesh.coordinator.config import Refused
 from elastic_mesh.coordinator.state import CoordinatorState
 from elastic_mesh.transfer.chunks import TransferError, check_manifest, root_hash
+from elastic_mesh.transfer.evidence import ChunkProof, EvidenceError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,6 @@ class VersionHolders:
     holders: dict[str, Holder] = field(default_factory=dict)
     reports: dict[str, set[str]] = field(default_factory=dict)  # source address -> reporters' token ids
     banned: dict[str, str] = field(default_factory=dict)  # source address -> why
-    origins: set[str] = field(default_factory=set)  # the publisher's addresses: never banned by reports
 
 
 def bitmap_count(bitmap: bytes | None, chunks: int) -> int:
@@ -72,6 +73,10 @@ class Broadcasts:
             state.db.execute("CREATE TABLE IF NOT EXISTS broadcasts (kind TEXT NOT NULL, version INTEGER NOT NULL, "
                              "envelope TEXT NOT NULL, publisher TEXT NOT NULL, published_at REAL NOT NULL, "
                              "PRIMARY KEY (kind, version))")
+            # Tokens proven to have served bad chunks of a kind (their own signed statements): they serve
+            # that kind no more, in this coordinator's life or the next.
+            state.db.execute("CREATE TABLE IF NOT EXISTS broadcast_bans (kind TEXT NOT NULL, token_id TEXT NOT NULL, "
+                             "why TEXT NOT NULL, PRIMARY KEY (kind, token_id))")
 
     # ---- versions ----------------------------------------------------------------------------------
     def publish(self, token: JoinToken, body: dict, peer: str) -> dict:
@@ -159,6 +164,9 @@ class Broadcasts:
             entry = self._holders.setdefault((kind, version), VersionHolders())
             if address in entry.banned:
                 raise Refused(403, f"{address} is banned from serving {kind} {version}: {entry.banned[address]}")
+            why = self._token_ban(kind, token.token_id)
+            if why is not None:
+                raise Refused(403, f"token {token.token_id} is banned from serving {kind}: {why}")
             owner = entry.holders.get(address)
             if owner is not None and owner.token_id != token.token_id and \
                     time.monotonic() - owner.seen <= self.holder_ttl_s:
@@ -173,8 +181,6 @@ class Broadcasts:
                                    f"its cap (max_nodes {token.max_nodes}); give each worker its own token, or one "
                                    "with --max-nodes")
             origin = bool(body.get("origin")) and token.publish
-            if origin:
-                entry.origins.add(address)
             entry.holders[address] = Holder(address, token.token_id, bitmap, origin,
                                             int(body.get("served_bytes", 0)), time.monotonic())
             self.changed.notify_all()
@@ -195,10 +201,12 @@ class Broadcasts:
              "chunks": "all" if h.chunks is None else base64.b64encode(h.chunks).decode()} for h in live]}
 
     def report(self, token: JoinToken, body: dict) -> dict:
+        """A member's report of a bad chunk from `source`: an event; a ban only with evidence (see above)."""
         kind, version, source = _kind(body), int(body["version"]), printable(body["source"], 100)
         chunk, reason = int(body.get("chunk", -1)), printable(body.get("reason", ""), 160)
         with self.lock, self.state.transaction():
-            if self.envelope(kind, version) is None:
+            envelope = self.envelope(kind, version)
+            if envelope is None:
                 raise Refused(404, f"no {kind} version {version} is kept: a report must be about a published version")
             entry = self._holders.setdefault((kind, version), VersionHolders())
             reporters = entry.reports.get(source, set())
@@ -208,18 +216,48 @@ class Broadcasts:
             if mine >= MAX_SOURCES_REPORTED:
                 raise Refused(403, f"token {token.token_id} already reported {mine} sources of {kind} {version}, "
                                    f"the most one token may")
-            reporters = entry.reports.setdefault(source, set())
-            reporters.add(token.token_id)
-            self.state.event(f"{kind} {version}: chunk {chunk} from {source} did not match its signed hash "
-                             f"(reported by token {token.token_id}: {reason})")
-            if source in entry.origins:
-                return {"status": "ok", "banned": False}  # the publisher's bytes are the signed ones
-            if source not in entry.banned and (len(reporters) >= 2 or token.publish):
-                entry.banned[source] = f"bad chunks reported by {len(reporters)} member(s)"
-                entry.holders.pop(source, None)
-                self.state.event(f"{kind} {version}: {source} banned ({entry.banned[source]})")
-                log.warning("%s %d: %s banned: %s", kind, version, source, entry.banned[source])
-        return {"status": "ok", "banned": source in entry.banned}
+            entry.reports.setdefault(source, set()).add(token.token_id)
+            said = (f"{kind} {version}: chunk {chunk} from {source} did not match its signed hash (reported by token "
+                    f"{token.token_id}: {reason})")
+            try:
+                liar = self._proven_liar(kind, version, chunk, envelope["manifest"], body.get("evidence"))
+            except EvidenceError as e:
+                self.state.event(f"{said}; no ban: {printable(e, 160)}")
+                return {"status": "ok", "banned": source in entry.banned, "proven": False, "detail": str(e)}
+            why = f"signed chunk {chunk} of {kind} {version} with a hash that is not the manifest's (served at {source})"
+            self._ban(kind, liar, why)
+            self.state.event(f"{said}; token {liar} banned from serving {kind}: its own signed statement")
+            log.warning("%s %d: token %s banned from serving %s: %s", kind, version, liar, kind, why)
+        return {"status": "ok", "banned": True, "proven": True, "token_id": liar}
+
+    def _proven_liar(self, kind: str, version: int, chunk: int, manifest: dict, evidence: object) -> str:
+        """The token whose key signed that it served chunk `chunk` of this version as bytes hashing to
+        something other than the manifest's hash; EvidenceError when the evidence does not show that."""
+        if evidence is None:
+            raise EvidenceError("the report carries no signed statement of the source")
+        if not 0 <= chunk < len(manifest["chunks"]):
+            raise EvidenceError(f"chunk {chunk} is not a chunk of {kind} {version}")
+        signed = str(evidence.get("sha256", "")) if isinstance(evidence, dict) else ""
+        if len(signed) != 64 or any(c not in "0123456789abcdef" for c in signed):
+            raise EvidenceError("the evidence names no sha256 of the bytes received")
+        if signed == manifest["chunks"][chunk]["sha256"]:
+            raise EvidenceError("the source signed the manifest's own hash: its statement is of good bytes")
+        return ChunkProof.from_json(evidence).check(self.signer.public_hex, self.run_id, kind, version, chunk, signed)
+
+    def _token_ban(self, kind: str, token_id: str) -> str | None:
+        row = self.state.db.execute("SELECT why FROM broadcast_bans WHERE kind = ? AND token_id = ?",
+                                    (kind, token_id)).fetchone()
+        return row[0] if row else None
+
+    def _ban(self, kind: str, token_id: str, why: str) -> None:
+        """Under the lock: `token_id` serves `kind` no more; its holder entries go from every version."""
+        self.state.db.execute("INSERT OR IGNORE INTO broadcast_bans VALUES (?, ?, ?)", (kind, token_id, why))
+        for (k, _), entry in self._holders.items():
+            if k != kind:
+                continue
+            for address in [a for a, h in entry.holders.items() if h.token_id == token_id]:
+                entry.banned[address] = why
+                del entry.holders[address]
 
     # ---- status ------------------------------------------------------------------------------------
     def summary(self) -> list[dict]:

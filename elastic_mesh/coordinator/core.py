@@ -28,6 +28,7 @@ from elastic_mesh.coordinator.membership import Membership, hash_session
 from elastic_mesh.coordinator.state import CoordinatorState, Node
 from elastic_mesh.coordinator.telemetry import TelemetryLog
 from elastic_mesh.coordinator.barrier import RoundBarrier
+from elastic_mesh.transfer.evidence import EvidenceError, issue_credential
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,12 @@ class Coordinator:
         if self.authority is not None and body.get("tls_public_key"):  # it serves chunks to others
             answer["tls_cert"] = self._certify([body["tls_public_key"]], f"{token.role} {token.token_id}",
                                                token.expires_at)[0]
+        if body.get("chunk_key"):  # it signs the chunks it serves (transfer/evidence.py)
+            try:
+                answer["chunk_credential"] = issue_credential(self.signer, self.run_id, token.token_id,
+                                                              str(body["chunk_key"])[:200], token.expires_at)
+            except EvidenceError as e:
+                raise Refused(400, str(e)) from None
         return answer
 
     def _certify(self, keys: object, subject: str, expires_at: float | None) -> list[str]:

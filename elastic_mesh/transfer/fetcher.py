@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -36,8 +36,15 @@ from elastic_mesh.transfer.chunks import (
     TransferError,
     layout_of,
 )
+from elastic_mesh.transfer.evidence import (
+    CREDENTIAL_HEADER,
+    SIGNATURE_BYTES,
+    SIGNATURE_HEADER,
+    ChunkProof,
+    decode_credential,
+)
 from elastic_mesh.transfer.schedule import DownloadSchedule, NoUsableSource, Request
-from elastic_mesh.transfer.server import KEY_HEADER
+from elastic_mesh.transfer.server import FRAME_HEAD, KEY_HEADER
 from elastic_mesh.transfer.sources import SourcePicker
 
 log = logging.getLogger(__name__)
@@ -55,15 +62,25 @@ class FetchReport:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Served:
+    """One chunk as a source sent it: its bytes (a seeded answer's index first) and what the source said
+    of them (its signature and credential: evidence.py), None where it signs nothing."""
+
+    data: bytes
+    proof: ChunkProof | None = None
+
+
 def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections | None = None,
-              tls: ssl.SSLContext | None = None, first_byte_s: float | None = None) -> bytes:
+              tls: ssl.SSLContext | None = None, first_byte_s: float | None = None) -> Served:
     """One GET with the transfer key. With `conns` (a download stream's own connections) the connection
     to each source is kept open between chunks: a new TCP connection per chunk restarts slow start every
     time, which costs most on the long, fat links state crosses. first_byte_s: the answer must begin
     within this (a source not known to answer yet)."""
     kept = conns or KeptConnections(timeout_s, tls)
     try:
-        status, body = kept.request(source, "GET", path, headers={KEY_HEADER: key}, first_byte_s=first_byte_s)
+        status, headers, body = kept.exchange(source, "GET", path, headers={KEY_HEADER: key},
+                                              first_byte_s=first_byte_s)
     except http.client.HTTPException as e:  # e.g. the source vanished mid-chunk (IncompleteRead)
         raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
     finally:
@@ -71,7 +88,17 @@ def get_chunk(key: str, timeout_s: float, source: str, path: str, conns: KeptCon
             kept.close()
     if status != 200:
         _refused(status, body, source, path)
-    return body
+    return Served(body, _proof(headers.get(SIGNATURE_HEADER, ""), headers.get(CREDENTIAL_HEADER)))
+
+
+def _proof(signature_hex: str, credential_text: str | None) -> ChunkProof | None:
+    """A source's statement as its answer carried it, unchecked (None: it carried none, or a malformed one)."""
+    credential = decode_credential(credential_text)
+    try:
+        signature = bytes.fromhex(signature_hex[:2 * SIGNATURE_BYTES + 2])
+    except ValueError:
+        return None
+    return ChunkProof(signature, credential) if credential and len(signature) == SIGNATURE_BYTES else None
 
 
 def _refused(status: int, body: bytes, source: str, path: str) -> None:
@@ -83,30 +110,40 @@ def _refused(status: int, body: bytes, source: str, path: str) -> None:
     raise TransferError(f"{source}{path}: HTTP {status} {body[:200].decode(errors='replace')}")
 
 
-FRAME_HEAD = struct.Struct(">qq")  # a streamed chunk's index and size, then its bytes (server.py)
+class Frame(NamedTuple):
+    """One chunk of a streamed answer."""
+
+    index: int
+    data: bytes
+    proof: ChunkProof | None
 
 
 def stream_chunks(key: str, timeout_s: float, source: str, path: str, conns: KeptConnections,
-                  size_of: Callable[[int], int | None], first_byte_s: float | None = None) -> Iterator[tuple[int, bytes]]:
-    """The (index, bytes) frames of one streamed request (…/fresh/<bitmap>?stream=1) as they arrive. A
-    frame whose size is not size_of(index) (None: no such chunk) ends the stream before its bytes are
-    read, so a lying source cannot make this side buffer more than a chunk; the caller checks each
-    chunk's hash. Raises as get_chunk does."""
+                  size_of: Callable[[int], int | None], first_byte_s: float | None = None) -> Iterator[Frame]:
+    """The frames of one streamed request (…/fresh/<bitmap>?stream=1) as they arrive. A frame whose
+    size is not size_of(index) (None: no such chunk), or whose signature is not 0 or 64 bytes, ends the
+    stream before its bytes are read, so a lying source cannot make this side buffer more than a chunk;
+    the caller checks each chunk's hash. Raises as get_chunk does."""
     try:
         with conns.streaming(source, "GET", path, headers={KEY_HEADER: key}, first_byte_s=first_byte_s) as response:
             if response.status != 200:
                 _refused(response.status, response.read(), source, path)
+            credential = decode_credential(response.headers.get(CREDENTIAL_HEADER))
             while head := response.read(FRAME_HEAD.size):
                 if len(head) < FRAME_HEAD.size:
                     raise TransferError(f"{source}: a stream cut inside a frame's head")
-                index, size = FRAME_HEAD.unpack(head)
+                index, size, signed = FRAME_HEAD.unpack(head)
                 if size != size_of(index):
                     raise TransferError(f"{source}: a streamed frame of chunk {index} with {size} bytes, "
                                         f"not the manifest's {size_of(index)}")
+                if signed not in (0, SIGNATURE_BYTES):
+                    raise TransferError(f"{source}: a streamed frame with a {signed}-byte signature, not "
+                                        f"{SIGNATURE_BYTES} (or none)")
+                signature = response.read(signed)
                 data = response.read(size)
-                if len(data) < size:
+                if len(signature) < signed or len(data) < size:
                     raise TransferError(f"{source}: a stream cut inside chunk {index}")
-                yield index, data
+                yield Frame(index, data, ChunkProof(signature, credential) if signed and credential else None)
     except http.client.HTTPException as e:  # e.g. the source vanished mid-stream (IncompleteRead)
         raise TransferError(f"{source}{path}: {type(e).__name__}: {str(e)[:120]}") from None
 
@@ -126,7 +163,7 @@ class ChunkFetcher:
         self.tls = tls
 
     def _get(self, source: str, path: str, conns: KeptConnections | None = None,
-             first_byte_s: float | None = None) -> bytes:
+             first_byte_s: float | None = None) -> Served:
         return get_chunk(self.key, self.timeout_s, source, path, conns, self.tls, first_byte_s)
 
     def manifests(self, kind: str, version: int | None) -> dict[str, dict]:
@@ -134,7 +171,7 @@ class ChunkFetcher:
         found = {}
         for source in self.sources:
             try:
-                found[source] = json.loads(self._get(source, f"/v1/{kind}/{version if version is not None else 'latest'}"))
+                found[source] = json.loads(self._get(source, f"/v1/{kind}/{version if version is not None else 'latest'}").data)
             except (OSError, TransferError, ValueError) as e:
                 log.warning("transfer source %s: %s", source, str(e)[:200])
         return found
@@ -184,7 +221,8 @@ class Download:
     sources asked only for chunks no other source holds (a broadcast's origin). A failed or bad chunk
     is asked elsewhere; the download gives up (TransferError) when some missing chunk has no usable
     holder, nothing is in flight, and `stall_s` has passed without progress (0: at once).
-    on_verified(index) runs after each chunk is stored; on_bad(source, index, why) after a bad one.
+    on_verified(index) runs after each chunk is stored; on_bad(source, index, why, served) after a bad one
+    (served: the bytes and what the source signed of them, the evidence a report carries).
     wait_s: a peer still fetching that holds nothing to ask for gets one standing request at a time.
     conns: connections kept by the caller beyond this download (a member that fetches version after
     version from the same peers skips the handshakes and the slow start of new ones); the download's
@@ -198,15 +236,15 @@ class Download:
     median time a chunk of this download took), plus what a standing request may wait at it. A holder
     that claims chunks and never answers costs one deadline, not the ordinary time-out."""
 
-    def __init__(self, get: Callable[[str, str, KeptConnections, float | None], bytes], target: ChunkDir, kind: str,
+    def __init__(self, get: Callable[[str, str, KeptConnections, float | None], Served], target: ChunkDir, kind: str,
                  holders: Callable[[], dict[str, bytes | None]], picker: SourcePicker, report: FetchReport, *,
                  streams: int, stall_s: float = 0.0, timeout_s: float = 30.0, wait_s: float = 0.0,
                  seed: int | None = None, seeders: Callable[[], set[str]] | None = None,
                  on_verified: Callable[[int], None] | None = None,
-                 on_bad: Callable[[str, int, str], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_bad: Callable[[str, int, str, Served], None] | None = None, tls: ssl.SSLContext | None = None,
                  conns: KeptConnections | None = None,
                  stream: Callable[[str, str, KeptConnections, Callable[[int], int | None], float | None],
-                                  Iterator[tuple[int, bytes]]] | None = None, first_byte_s: float = 2.0) -> None:
+                                  Iterator[Frame]] | None = None, first_byte_s: float = 2.0) -> None:
         self.get, self.target, self.kind, self.holders, self.picker = get, target, kind, holders, picker
         self.report, self.timeout_s, self.tls, self.conns, self.stream = report, timeout_s, tls, conns, stream
         self.seeders = seeders or (lambda: set())
@@ -347,7 +385,8 @@ class Download:
         if self.stream and index is None:
             return self._fetch_streamed(conns, path, request, source in seeders)
         try:
-            data = self.get(source, path, conns, self._first_byte(request))
+            served = self.get(source, path, conns, self._first_byte(request))
+            data = served.data
             if index is None:
                 if len(data) < 8 or not 0 <= (index := struct.unpack(">q", data[:8])[0]) < self.target.chunks:
                     raise TransferError(f"{source}: a seeded chunk without a valid index")
@@ -365,7 +404,7 @@ class Download:
             return self._settle(index, source, "failed", str(e)[:120])
         if not self.target.matches(index, data):
             self._bad(source, index, "sha256 mismatch", f"sent chunk {index} that does not match its hash",
-                      f"chunk {index} from {source} does not match its hash")
+                      f"chunk {index} from {source} does not match its hash", Served(data, served.proof))
             return
         self.picker.done(source, len(data), time.monotonic() - started)
         if not request.wait_s:  # a standing request's time is mostly its wait for the peer
@@ -375,7 +414,7 @@ class Download:
                   time.monotonic() - started, " (seeded)" if request.index is None else "")
         self._keep(index, data, source, from_seeder=source in seeders)
 
-    def _bad(self, source: str, index: int, why: str, banned_for: str, what: str) -> None:
+    def _bad(self, source: str, index: int, why: str, banned_for: str, what: str, served: Served) -> None:
         """`source` sent bytes that are not what the manifest says: it is not used again for this version."""
         self.picker.failed(source)
         self.picker.ban(source, banned_for)
@@ -383,7 +422,7 @@ class Download:
                     self.kind, self.target.version, what, source)
         self._settle(index if 0 <= index < self.target.chunks else None, source, "corrupt")
         if self.on_bad:
-            self.on_bad(source, index, why)
+            self.on_bad(source, index, why, served)
 
     def _keep(self, index: int, data: bytes, source: str, from_seeder: bool) -> None:
         fresh = self.target.put(index, data, seeded=from_seeder)
@@ -400,11 +439,12 @@ class Download:
         and bans its source, as a bad chunk does."""
         started, nbytes, source, wanted = time.monotonic(), 0, request.source, set(request.chunks)
         try:
-            for index, data in self.stream(source, path, conns, self._size_of, self._first_byte(request)):
+            for index, data, proof in self.stream(source, path, conns, self._size_of, self._first_byte(request)):
                 if index not in wanted or not self.target.matches(index, data):
                     self._bad(source, index, "sha256 mismatch" if index in wanted else "not asked for",
                               f"streamed chunk {index} that was not asked for or does not match its hash",
-                              f"chunk {index} streamed from {source} is not one asked for or does not match its hash")
+                              f"chunk {index} streamed from {source} is not one asked for or does not match its hash",
+                              Served(data, proof))
                     return
                 nbytes += len(data)
                 log.debug("%s %d chunk %d streamed from %s at %.3f s", self.kind, self.target.version, index, source,

@@ -35,6 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 from elastic_mesh.control.tls import accept
 from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
 from elastic_mesh.transfer.chunks import Chunked, Deferred
+from elastic_mesh.transfer.evidence import CREDENTIAL_HEADER, SIGNATURE_HEADER, ChunkSigner, sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ KEY_HEADER = "X-Mesh-Transfer-Key"
 TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)  # Linux's value
 TCP_INFO = getattr(socket, "TCP_INFO", None)  # its first byte is the connection's state
 TCP_ESTABLISHED = 1
+# A streamed chunk's frame: its index, its size and its signature's size (0: the server signs nothing),
+# then the signature (evidence.py), then the chunk's bytes.
+FRAME_HEAD = struct.Struct(">qqH")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -53,10 +57,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def _send(self, status: int, body: bytes, content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -161,9 +168,12 @@ class _Handler(BaseHTTPRequestHandler):
                     self.send_response(200)
                     self.send_header("Content-Type", "application/octet-stream")
                     self.send_header("Transfer-Encoding", "chunked")
+                    if self.server.signer is not None:
+                        self.send_header(CREDENTIAL_HEADER, self.server.signer.credential_header)
                     self.end_headers()
                     started = True
-                frame = struct.pack(">qq", index, len(data)) + bytes(data)
+                signature = self.server.signature(kind, item, index, data)
+                frame = FRAME_HEAD.pack(index, len(data), len(signature)) + signature + bytes(data)
                 self.wfile.write(b"%x\r\n" % len(frame) + frame + b"\r\n")
                 self.server.count_served(kind, item.version, len(data))
                 sent.add(index)
@@ -188,7 +198,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.chunk_filter is not None:
             data = self.server.chunk_filter(kind, item.version, index, data)
         self.server.count_served(kind, item.version, len(data))
-        self._send(200, prefix + data if prefix else data, "application/octet-stream")
+        signer = self.server.signer
+        headers = {} if signer is None else {
+            SIGNATURE_HEADER: self.server.signature(kind, item, index, data).hex(),
+            CREDENTIAL_HEADER: signer.credential_header}
+        self._send(200, prefix + data if prefix else data, "application/octet-stream", headers)
         if self.server.upload_slots:
             _wait_until_sent(self.connection, low_water=64 << 10, give_up_s=self.timeout)
 
@@ -288,6 +302,9 @@ class ChunkServer(ThreadingHTTPServer):
         self.tls: ssl.SSLContext | None = None
         self.before_chunk: Callable[[str, int, int], None] | None = None
         self.chunk_filter: Callable[[str, int, int, bytes], bytes] | None = None
+        # Set once the coordinator credentialed this member's chunk key (evidence.py): from then on every
+        # chunk sent carries this server's signed statement of what it is.
+        self.signer: ChunkSigner | None = None
         self.served: dict[tuple[str, int], int] = {}  # (kind, version) -> bytes served
         self.upload_slots = upload_slots
         self._sent: dict[tuple[str, int], dict[int, int]] = {}  # (kind, version) -> chunk -> times chosen
@@ -317,6 +334,19 @@ class ChunkServer(ThreadingHTTPServer):
     def handle_error(self, request, client_address) -> None:
         # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.
         log.debug("transfer request from %s ended early", client_address, exc_info=True)
+
+    def signature(self, kind: str, item: "Chunked | ChunkDir", index: int, data: bytes) -> bytes:
+        """This server's signature of chunk `index` as `data` (b"" when it signs nothing). The manifest's
+        hash where this server holds exactly those bytes (made or verified them), else the bytes' own: a
+        chunk_filter (a fault hook: a relay that lies) signs what it sends, as a liar's server would."""
+        if self.signer is None:
+            return b""
+        expected = getattr(item, "expected", None)
+        if self.chunk_filter is None and (expected is None or len(expected[index]) == 1):
+            digest = item.manifest["chunks"][index]["sha256"]
+        else:
+            digest = sha256_hex(data)
+        return self.signer.sign(kind, item.version, index, digest)
 
     def take_upload_slot(self, give_up_s: float | None = None) -> bool:
         """Waits a moment for a slot (slot_wait_s, or give_up_s): a request queued here starts the instant

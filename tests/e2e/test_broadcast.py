@@ -113,6 +113,7 @@ def test_a_relay_that_serves_corrupt_bytes_is_banned_named_and_the_download_comp
     assert liar_address not in report["bytes_from"]
     assert f"{liar_address} sent a bad chunk" in run.log("client")
     assert f"from {liar_address} did not match its signed hash" in run.status_events()
+    assert "banned from serving policy: its own signed statement" in run.status_events()
 
 
 def test_a_relay_killed_mid_transfer_is_replaced_and_every_client_finishes(run):

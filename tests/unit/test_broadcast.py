@@ -181,8 +181,71 @@ def test_a_corrupt_source_is_banned_named_and_reported_and_the_download_complete
         assert liar.address not in report.bytes_from
         events = " ".join(e["text"] for e in server.coordinator.status()["events"])
         assert f"from {liar.address} did not match its signed hash" in events
+        # One report was enough: it carried the liar's own signed statement of the bytes it sent.
+        assert "banned from serving policy: its own signed statement" in events
+        with pytest.raises(Exception, match="is banned from serving policy"):
+            liar.client.post("/v1/broadcast/have", {"kind": "policy", "version": 1, "port": liar.server.port,
+                                                    "chunks": "all"})
     finally:
         for m in (origin, liar, honest):
+            m.stop()
+
+
+def test_bytes_a_source_did_not_sign_ban_nobody_and_no_reporter_can_frame_an_honest_member(run):
+    """Evidence, not votes (issue 50): a source whose signature is not of the bytes that arrived (altered on
+    the way, or a liar that signs the right hash) is a failed transfer, not a ban; and a token holder cannot
+    turn an honest member's signed statements, or a credential of its own making, into a ban."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from elastic_mesh.transfer.evidence import ChunkSigner, issue_credential
+    from elastic_mesh.transfer.fetcher import get_chunk
+
+    server, tmp = run
+    origin_token = tokens(tmp, publish=True)
+    origin = BroadcastMember(origin_token, "policy", tmp / "origin", SETTINGS)
+    liar = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "liar", SETTINGS)
+    honest = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "honest", SETTINGS)
+    framer = BroadcastMember(tokens(tmp, role="worker"), "policy", tmp / "framer", SETTINGS, serve=False)
+    try:
+        origin.publish(1, payload())
+        liar.fetch()
+        wait_until(lambda: origin.complete_copies(1) >= 1)
+        # Sends other bytes under its signature of the right ones: what a link that flips bits would look like.
+        liar.server.signature = lambda kind, item, index, data: liar.server.signer.sign(
+            kind, item.version, index, item.manifest["chunks"][index]["sha256"])
+        liar.server.chunk_filter = lambda kind, version, index, data: bytes(b ^ 0x55 for b in data[:64]) + data[64:]
+        target, report = honest.fetch(only=lambda h: h["address"] in (liar.address, origin.address))
+        assert target.complete and report.corrupt and liar.address not in report.bytes_from
+        events = " ".join(e["text"] for e in server.coordinator.status()["events"])
+        assert f"from {liar.address} did not match its signed hash" in events and "no ban" in events
+        assert "banned from serving" not in events
+        assert liar.client.post("/v1/broadcast/have", {"kind": "policy", "version": 1, "port": liar.server.port,
+                                                       "chunks": "all"})["status"] == "ok"
+
+        # The framer holds the origin's real signed statement of a good chunk.
+        source = next(h["address"] for h in framer.client.post("/v1/broadcast/holders", {"kind": "policy", "version": 1})[
+            "holders"] if h["origin"])
+        good = get_chunk(framer.key, 5, source, "/v1/policy/1/chunk/0", tls=framer.client.tls)
+        assert good.proof is not None
+        manifest_hash = origin.held[1].manifest["chunks"][0]["sha256"]
+        forged_signer = ChunkSigner()
+        forged = issue_credential(RunSigner(Ed25519PrivateKey.generate()), framer.run_id,
+                                  read_token(origin_token).token_id, forged_signer.public_hex, time.time() + 60)
+        attempts = {
+            "statement is of good bytes": {**good.proof.as_json(), "sha256": manifest_hash},
+            "not its sender's statement": {**good.proof.as_json(), "sha256": "ab" * 32},
+            "not the run's": {"signature": forged_signer.sign("policy", 1, 0, "ab" * 32).hex(), "credential": forged,
+                              "sha256": "ab" * 32},
+            "names no sha256": {**good.proof.as_json()},
+        }
+        for i, (why, evidence) in enumerate(attempts.items()):
+            answer = framer.client.post("/v1/broadcast/report", {"kind": "policy", "version": 1, "chunk": 0,
+                                                                 "source": f"{source}#{i}", "evidence": evidence})
+            assert answer["proven"] is False and why in answer["detail"], (why, answer)
+        origin.publish(2, payload())  # the origin still serves: nothing above banned it
+        assert honest.fetch()[0].complete
+    finally:
+        for m in (origin, liar, honest, framer):
             m.stop()
 
 
@@ -382,7 +445,7 @@ def test_reports_cannot_ban_the_publisher_name_unpublished_versions_or_pile_up(r
         for m in (a, b):
             answer = m.client.post("/v1/broadcast/report", {"kind": "policy", "version": 1, "source": source,
                                                             "reason": "forged\nline"})
-            assert answer == {"status": "ok", "banned": False}
+            assert answer["banned"] is False and answer["proven"] is False, answer
         origin.publish(2, payload())  # the run goes on: the trainer's address is neither banned nor refused
         assert a.fetch()[0].complete
         events = [e["text"] for e in server.coordinator.status()["events"]]

@@ -60,7 +60,7 @@ def test_a_relay_streams_the_chunks_it_took_from_a_seeder_the_moment_it_verifies
     try:
         feeder.start()
         got = []
-        for index, data in stream_chunks(KEY, 10, source, f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}"
+        for index, data, _ in stream_chunks(KEY, 10, source, f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}"
                                          "?wait_ms=2000&relayed=1&stream=1", conns, sizes(snapshot.manifest)):
             got.append((index, time.monotonic()))
             assert data == bytes(snapshot.chunk(index))
@@ -69,7 +69,7 @@ def test_a_relay_streams_the_chunks_it_took_from_a_seeder_the_moment_it_verifies
         for index, when in got[1:]:
             assert when - put_at[index] < 0.5  # as it was verified, not when the relay completed
         # The stream ended cleanly: its connection went back to the pool and serves the next request.
-        assert get_chunk(KEY, 10, source, "/v1/snapshot/5/chunk/2", conns) == bytes(snapshot.chunk(2))
+        assert get_chunk(KEY, 10, source, "/v1/snapshot/5/chunk/2", conns).data == bytes(snapshot.chunk(2))
     finally:
         conns.close()
         server.stop()
@@ -90,7 +90,7 @@ def test_a_seeder_streams_each_requester_its_share_once(tmp_path):
     path = f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}?only_new=1&stream=1"
     conns = KeptConnections(10)
     try:
-        streams = [[i for i, _ in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
+        streams = [[frame.index for frame in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
                    for _ in range(math.ceil(n / math.ceil(n / 3)))]
         assert all(len(s) <= math.ceil(n / 3) for s in streams) and len(streams[0]) == math.ceil(n / 3)
         assert sorted(i for s in streams for i in s) == list(range(n))  # each chunk once
@@ -133,7 +133,7 @@ def test_a_download_streams_from_a_seeder_and_a_peer_and_bans_a_peer_whose_frame
         Download(lambda src, path, conns, first=None: get_chunk(KEY, 10, src, path, conns, first_byte_s=first), target, "snapshot",
                  lambda: {addresses["seeder"]: None, addresses["honest"]: empty, addresses["liar"]: empty},
                  SourcePicker(2), report, streams=6, stall_s=30, wait_s=2.0,
-                 seeders=lambda: {addresses["seeder"]}, on_bad=lambda source, index, why: bad.append(source),
+                 seeders=lambda: {addresses["seeder"]}, on_bad=lambda source, index, why, served: bad.append(source),
                  stream=lambda src, path, conns, size_of, first=None: stream_chunks(KEY, 10, src, path, conns, size_of, first)).run()
     finally:
         feeder.join()
@@ -155,7 +155,7 @@ class _Oversized(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        frame = FRAME_HEAD.pack(0, 1 << 29)
+        frame = FRAME_HEAD.pack(0, 1 << 29, 0)
         self.send_response(200)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
@@ -205,7 +205,7 @@ def test_a_reader_that_stops_reading_does_not_hold_the_other_streams(tmp_path):
     conns = KeptConnections(10)
     try:
         started = time.monotonic()
-        got = [i for i, _ in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
+        got = [frame.index for frame in stream_chunks(KEY, 10, source, path, conns, sizes(snapshot.manifest))]
         assert sorted(got) == list(range(n))
         assert time.monotonic() - started < 5  # ~2 MB on loopback; before, each frame waited out the stuck one
     finally:
