@@ -2,7 +2,8 @@
 Used by `make rl-demo` (launch/rl_demo.py), the RL end-to-end tests and launch/bench/rl_async.py.
 
 Each role gets its own token, made the way an operator would (`token create`): the trainer a worker
-token with the publish right, the orchestrator and every worker a worker token of its own.
+token with the publish right, the orchestrator a worker token naming the service `orchestrator` (its TLS
+certificate names it), every worker a worker token of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from elastic_mesh.control.process_tree import kill_tree
 from elastic_mesh.coordinator.run import make_token
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE
 from launch.cluster import REPO, child_env, wait_for
 
 WEEK_S = 7 * 86400
@@ -84,11 +86,11 @@ class RLCluster:
         self.procs[name] = proc
         return proc
 
-    def token(self, name: str, publish: bool = False, role: str = "worker") -> Path:
+    def token(self, name: str, publish: bool = False, role: str = "worker", service: str = "") -> Path:
         """The token file of a role (made once per name, so a restarted process presents the same token)."""
         path = self.run_dir / f"{name}.token"
         if name not in self.tokens:
-            self.tokens[name] = make_token(self.state_dir, WEEK_S, role=role, publish=publish)
+            self.tokens[name] = make_token(self.state_dir, WEEK_S, role=role, publish=publish, service=service)
             path.write_text(self.tokens[name])
         return path
 
@@ -114,7 +116,7 @@ class RLCluster:
         address.unlink(missing_ok=True)
         port = self.orchestrator_address.rsplit(":", 1)[1] if self.orchestrator_address else "0"
         self.spawn("orchestrator", [sys.executable, "-m", "prime.rl.orchestrator", "--token-file",
-                                    str(self.token("orchestrator")), "--run-dir", str(self.run_dir / "orchestrator"),
+                                    str(self.token("orchestrator", service=ORCHESTRATOR_SERVICE)), "--run-dir", str(self.run_dir / "orchestrator"),
                                     "--host", self.host("orchestrator"), "--advertise-host", self.host("orchestrator"),
                                     "--port", port,
                                     *_overrides(self.orchestrator_sets)])

@@ -52,15 +52,19 @@ class Credentials:
 
 class CoordinatorClient:
     def __init__(self, address: str, request_timeout_s: float = 30.0, retry_s: float = 120.0,
-                 bearer: str | None = None, tls_fp: str = "", tls: ssl.SSLContext | None = None) -> None:
+                 bearer: str | None = None, tls_fp: str = "", tls: ssl.SSLContext | None = None,
+                 service: str | None = None) -> None:
         """bearer: a join token sent with every request instead of a session (broadcast members).
         tls_fp: the fingerprint of the coordinator's TLS certificate ("": plain HTTP). tls: a context that
-        already trusts the run's certificates, for another of the run's servers (an RL orchestrator)."""
+        already trusts the run's certificates, for another of the run's servers (an RL orchestrator).
+        service: with tls, the service that server's certificate must have been issued for (control/tls.py):
+        any other member of the run holds a certificate the run signed too."""
         self.address, self.request_timeout_s, self.retry_s = address, request_timeout_s, retry_s
         self.bearer, self.tls_fp = bearer, tls_fp
         self.credentials: Credentials | None = None
         self.tls = tls  # set once the coordinator's certificate checked out
-        self._connections = KeptConnections(request_timeout_s, tls)
+        self.service = service
+        self._connections = KeptConnections(request_timeout_s, tls, service)
         self._pin_lock = threading.Lock()
 
     @classmethod

@@ -19,16 +19,36 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+from elastic_mesh.control.tls import TLSError, check_service
+
 IDLE_S = 20.0  # under the 30 s the coordinator's and snapshot servers' handlers wait for a next request
+
+
+class _ServiceConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that ends before its first request unless the server's certificate was issued
+    for `service`."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, context: ssl.SSLContext, service: str) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self.service = service
+
+    def connect(self) -> None:
+        super().connect()
+        try:
+            check_service(self.sock, self.service, f"{self.host}:{self.port}")
+        except TLSError:
+            self.close()
+            raise
 
 
 class KeptConnections:
     """Idle connections, per host:port, that any thread may take for one request and give back. Each
     request in flight holds its own connection, so long-polls of several threads never share one."""
 
-    def __init__(self, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
-        """tls: speak TLS, trusting what this context trusts (control/tls.py); None: plain HTTP."""
-        self.timeout_s, self.tls = timeout_s, tls
+    def __init__(self, timeout_s: float, tls: ssl.SSLContext | None = None, service: str | None = None) -> None:
+        """tls: speak TLS, trusting what this context trusts (control/tls.py); None: plain HTTP. service: the
+        service the servers' certificates must name (check_service), before a request goes out."""
+        self.timeout_s, self.tls, self.service = timeout_s, tls, service
         self._idle: dict[str, list[tuple[http.client.HTTPConnection, float]]] = {}
         self._lock = threading.Lock()
 
@@ -110,6 +130,9 @@ class KeptConnections:
                     return conn, True
                 conn.close()
         host, port = address.rsplit(":", 1)
+        if self.tls is not None and self.service is not None:
+            return _ServiceConnection(host, int(port), timeout=self.timeout_s, context=self.tls,
+                                      service=self.service), False
         if self.tls is not None:
             return http.client.HTTPSConnection(host, int(port), timeout=self.timeout_s, context=self.tls), False
         return http.client.HTTPConnection(host, int(port), timeout=self.timeout_s), False

@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_FILE, KEY_FILE = "tls_ca.pem", "tls_key.pem"
+SERVICE_PREFIX = "prime-service:"  # a member certificate's organizational unit: this, then its service ("": none)
 CERT_DAYS = 30  # a member's certificate; it re-joins (and gets a new one) far more often than that
 
 
@@ -131,10 +132,11 @@ class RunAuthority:
     def server_context(self) -> ssl.SSLContext:
         return _server_context(self.ca_pem.encode(), self._key)
 
-    def issue(self, public_pem: str, subject: str, expires_at: float | None = None) -> str:
+    def issue(self, public_pem: str, subject: str, expires_at: float | None = None, service: str = "") -> str:
         """A server certificate for a member's own key (PEM in, PEM out), valid CERT_DAYS or until
         `expires_at` (unix time: its token's expiry), whichever is sooner: a member whose token has
-        expired holds no certificate that peers still trust."""
+        expired holds no certificate that peers still trust. `service`: the service its token names,
+        written as the subject's organizational unit (certificate_service reads it back)."""
         try:
             public = serialization.load_pem_public_key(public_pem.encode())
         except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -146,7 +148,9 @@ class RunAuthority:
         if expires_at is not None:
             until = max(now, min(until, datetime.datetime.fromtimestamp(expires_at, datetime.timezone.utc)))
         certificate = (x509.CertificateBuilder()
-                       .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64] or "member")]))
+                       .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64] or "member"),
+                                                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME,
+                                                                   SERVICE_PREFIX + service)]))
                        .issuer_name(self.certificate.subject).public_key(public)
                        .serial_number(x509.random_serial_number())
                        .not_valid_before(now - datetime.timedelta(hours=1))
@@ -182,6 +186,25 @@ class MemberIdentity:
         if certificate.public_key() != self._key.public_key():
             raise TLSError("the coordinator certified another key than this process's")
         return _server_context(cert_pem.encode(), self._key)
+
+
+def certificate_service(der: bytes) -> str | None:
+    """The service a member certificate (DER) was issued for ("" for none); None for a certificate that
+    names no service field at all (the coordinator's own, or one from before services)."""
+    units = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    found = [str(u.value) for u in units if str(u.value).startswith(SERVICE_PREFIX)]
+    return found[0][len(SERVICE_PREFIX):] if len(found) == 1 else None
+
+
+def check_service(sock: ssl.SSLSocket, expected: str, address: str) -> None:
+    """Raises TLSError unless the certificate `sock`'s peer presented was issued for `expected`. Run after
+    the handshake (which checked the run's authority signed it) and before a byte of the request: the
+    request carries the client's bearer token."""
+    found = certificate_service(sock.getpeercert(binary_form=True) or b"")
+    if found != expected:
+        raise TLSError(f"{address} presents a certificate of this run issued for "
+                       f"{repr(found) if found else 'no service'}, not for the {expected} expected there: another "
+                       "member posing as it, or the wrong address; nothing was sent")
 
 
 def pinned_ca(address: str, expected: str, timeout_s: float = 10.0) -> str:

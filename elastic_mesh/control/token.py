@@ -6,7 +6,10 @@ the dashboard only), a cap on the live nodes it may admit at once (1 by default:
 its own, and a leaked one adds one node, not a majority), an expiry and an id by which the operator
 revokes it. `publish` grants the right to publish broadcast versions; `key_fp` is the fingerprint of
 the coordinator's signing key, so a member trusts exactly that coordinator's signatures; `tls_fp` the
-fingerprint of its TLS certificate ("" when the run speaks plain HTTP). A forged, expired or foreign token is refused with a reason that reveals nothing about the
+fingerprint of its TLS certificate ("" when the run speaks plain HTTP). `service` names a service its
+holder offers the run (e.g. `orchestrator`): the TLS certificate the coordinator gives that holder names
+it, and a client that expects the service accepts no other certificate, so a member's own certificate
+cannot pass for it. A forged, expired or foreign token is refused with a reason that reveals nothing about the
 run it was tried on.
 """
 
@@ -16,12 +19,14 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
 
 PREFIX = "prime1"
 ROLES = ("node", "worker", "observer")
+SERVICE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 
 
 class TokenError(ValueError):
@@ -39,6 +44,7 @@ class JoinToken:
     publish: bool = False  # may publish broadcast versions (the coordinator signs their manifests)
     key_fp: str = ""  # fingerprint of the coordinator's signing key ("" in tokens made before it existed)
     tls_fp: str = ""  # SHA-256 of the coordinator's TLS certificate ("": the run speaks plain HTTP)
+    service: str = ""  # a service its holder offers, named in its certificate ("": none)
 
 
 def _b64(data: bytes) -> str:
@@ -50,15 +56,18 @@ def _unb64(text: str) -> bytes:
 
 
 def create_token(secret: bytes, coordinator: str, run_id: str, ttl_s: float, role: str = "node",
-                 max_nodes: int = 1, publish: bool = False, key_fp: str = "", tls_fp: str = "") -> str:
+                 max_nodes: int = 1, publish: bool = False, key_fp: str = "", tls_fp: str = "",
+                 service: str = "") -> str:
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if service and not SERVICE.fullmatch(service):
+        raise ValueError(f"service {service!r} must be 1-32 of a-z, 0-9 and -, starting with a letter")
     if max_nodes < 1:
         raise ValueError(f"max_nodes {max_nodes} must be at least 1")
     if publish and role == "observer":
         raise ValueError("an observer token only reads the status; it cannot carry the publish right")
     payload = JoinToken(coordinator, run_id, time.time() + ttl_s, secrets.token_hex(8), role, max_nodes, publish,
-                        key_fp, tls_fp)
+                        key_fp, tls_fp, service)
     body = _b64(json.dumps(asdict(payload), sort_keys=True).encode())
     signature = _b64(hmac.new(secret, body.encode(), hashlib.sha256).digest())
     return f"{PREFIX}.{body}.{signature}"
@@ -74,8 +83,8 @@ def read_token(text: str) -> JoinToken:
         token = JoinToken(str(fields["coordinator"]), str(fields["run_id"]), float(fields["expires_at"]),
                           str(fields["token_id"]), str(fields.get("role", "node")), int(fields.get("max_nodes", 1)),
                           bool(fields.get("publish", False)), str(fields.get("key_fp", "")),
-                          str(fields.get("tls_fp", "")))
-        if token.role not in ROLES or token.max_nodes < 1:
+                          str(fields.get("tls_fp", "")), str(fields.get("service", "")))
+        if token.role not in ROLES or token.max_nodes < 1 or (token.service and not SERVICE.fullmatch(token.service)):
             raise ValueError
         return token
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError):

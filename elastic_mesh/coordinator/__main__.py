@@ -63,7 +63,10 @@ COMMANDS = Commands(PROG, "The coordinator of a prime run, and its join tokens."
                                "by several nodes of one token counts once at commit); for a worker token, the "
                                "broadcast members that may serve with it at once", type=int, default=1, metavar="N"),
              Flag("publish", "may publish broadcast versions (python -m elastic_mesh.broadcast publish); not for "
-                             "observer tokens", switch=True)],
+                             "observer tokens", switch=True),
+             Flag("service", "a service its holder offers the run (e.g. orchestrator, for an RL run's orchestrator): "
+                             "its TLS certificate names it, and clients that expect the service accept no other",
+                  default="", metavar="NAME")],
             examples=[f"{PROG} token create --state-dir coord/ --ttl 24h"]),
         "revoke": CommandLine(
             f"{PROG} token revoke", "Revoke a token at once: refused from now on, and the nodes it admitted are "
@@ -85,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if words[1] == "create":
                 text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes,
-                                  args.publish)
+                                  args.publish, args.service)
                 token = read_token(text)
                 print(f"token {token.token_id}: role {token.role}, at most {token.max_nodes} live node(s), "
                       f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}"
-                      + (", may publish broadcasts" if token.publish else ""), file=sys.stderr)
+                      + (", may publish broadcasts" if token.publish else "")
+                      + (f", offers the service {token.service}" if token.service else ""), file=sys.stderr)
                 print(text)
             elif words[1] == "revoke":
                 revoke_token(args.state_dir, args.token_id)

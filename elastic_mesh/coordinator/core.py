@@ -81,7 +81,7 @@ class Coordinator:
                   "publish": token.publish}
         if self.authority is not None and body.get("tls_public_key"):  # it serves chunks to others
             answer["tls_cert"] = self._certify([body["tls_public_key"]], f"{token.role} {token.token_id}",
-                                               token.expires_at)[0]
+                                               token.expires_at, token.service)[0]
         if body.get("chunk_key"):  # it signs the chunks it serves (transfer/evidence.py)
             try:
                 answer["chunk_credential"] = issue_credential(self.signer, self.run_id, token.token_id,
@@ -90,14 +90,14 @@ class Coordinator:
                 raise Refused(400, str(e)) from None
         return answer
 
-    def _certify(self, keys: object, subject: str, expires_at: float | None) -> list[str]:
+    def _certify(self, keys: object, subject: str, expires_at: float | None, service: str = "") -> list[str]:
         """Certificates for members' own keys, so their chunk servers speak TLS that peers trust. A
         broadcast member's ends with its token (every request it makes needs the token anyway)."""
         if not isinstance(keys, list) or not 1 <= len(keys) <= 64 or not all(isinstance(k, str) and len(k) < 4096
                                                                            for k in keys):
             raise Refused(400, "tls_public_keys must list one PEM public key per process (at most 64)")
         try:
-            return [self.authority.issue(key, f"{subject}/{i}", expires_at) for i, key in enumerate(keys)]
+            return [self.authority.issue(key, f"{subject}/{i}", expires_at, service) for i, key in enumerate(keys)]
         except ValueError as e:
             raise Refused(400, f"cannot certify this member's key: {e}") from None
     def may_read_status(self, authorization: str, node_id: str, session: str) -> bool:

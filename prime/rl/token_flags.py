@@ -7,6 +7,10 @@ from pathlib import Path
 
 from elastic_mesh import Flag
 
+# The service an RL run's orchestrator offers: its token names it (token create --service orchestrator), so its
+# TLS certificate does, and the trainer and workers accept no other member's certificate in its place.
+ORCHESTRATOR_SERVICE = "orchestrator"
+
 TOKEN_FLAGS = [
     Flag("token", "a run token (python -m elastic_mesh.coordinator token create)", metavar="TOKEN"),
     Flag("token-file", "read the token from this file instead (keeps it out of the process list)", type=Path,

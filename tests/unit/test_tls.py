@@ -262,25 +262,50 @@ def test_the_lifeline_over_tls_reports_a_killed_process_at_once_and_can_be_repla
     second.stop()
 
 
-def test_the_rl_orchestrator_serves_tls_with_its_members_certificate(coordinator, tmp_path):
+def test_the_rl_orchestrator_serves_tls_with_its_members_certificate_and_no_other_member_can_pass_for_it(
+        coordinator, tmp_path):
     """prime.rl's orchestrator answers workers with the certificate the coordinator gave its broadcast
-    member, and confirms their tokens with the coordinator it pinned itself."""
+    member, which names the service its token names; a client that expects the orchestrator refuses any
+    other member's certificate of the run before it sends its token (issue 50: accepted before)."""
     from elastic_mesh.control.http import JsonServer, TokenCheck
 
     settings = BroadcastSettings(host="127.0.0.1")
-    own = make_token(tmp_path / "coord", 600, role="worker", publish=True)
-    member = BroadcastMember(own, "policy", tmp_path / "orchestrator", settings)
-    check = TokenCheck(f"127.0.0.1:{coordinator.port}", read_token(own).run_id, tls_fp=read_token(own).tls_fp)
-    server = JsonServer("127.0.0.1", 0, {"/v1/who": lambda token, body: {"token_id": token.token_id}}, check)
-    server.tls = member.server.tls
-    server.start()
     worker = make_token(tmp_path / "coord", 600, role="worker")
+    trust = CoordinatorClient.for_token(worker, 10, 5).tls_context()
+    servers, members, asked = {}, [], []
+    for name, service in (("orchestrator", "orchestrator"), ("impostor", "")):
+        own = make_token(tmp_path / "coord", 600, role="worker", service=service)
+        member = BroadcastMember(own, "policy", tmp_path / name, settings)
+        check = TokenCheck(f"127.0.0.1:{coordinator.port}", read_token(own).run_id, tls_fp=read_token(own).tls_fp)
+        server = JsonServer("127.0.0.1", 0, {"/v1/who": lambda token, body, name=name: asked.append(name) or {
+            "token_id": token.token_id}}, check, tls=member.server.tls)
+        server.start()
+        servers[name], members = server, [*members, member]
     try:
-        trust = CoordinatorClient.for_token(worker, 10, 5).tls_context()
-        client = CoordinatorClient(f"127.0.0.1:{server.port}", 10, 5, bearer=worker, tls=trust)
+        client = CoordinatorClient(f"127.0.0.1:{servers['orchestrator'].port}", 10, 5, bearer=worker, tls=trust,
+                                   service="orchestrator")
         assert client.post("/v1/who", {})["token_id"] == read_token(worker).token_id
         with pytest.raises(CoordinatorError):  # plain HTTP gets nothing
-            CoordinatorClient(f"127.0.0.1:{server.port}", 5, 0, bearer=worker).post("/v1/who", {}, retry=False)
+            CoordinatorClient(f"127.0.0.1:{servers['orchestrator'].port}", 5, 0, bearer=worker).post(
+                "/v1/who", {}, retry=False)
+        posing = CoordinatorClient(f"127.0.0.1:{servers['impostor'].port}", 5, 0, bearer=worker, tls=trust,
+                                   service="orchestrator")
+        with pytest.raises(CoordinatorError, match="issued for no service, not for the orchestrator"):
+            posing.post("/v1/who", {}, retry=False)
+        assert asked == ["orchestrator"]  # the impostor heard no request, so no token
+        with pytest.raises(ValueError, match="service 'Orch estrator' must be"):
+            make_token(tmp_path / "coord", 600, role="worker", service="Orch estrator")
     finally:
-        server.stop()
-        member.stop()
+        for server in servers.values():
+            server.stop()
+        for member in members:
+            member.stop()
+
+
+def test_an_orchestrator_whose_token_names_no_service_is_told_how_to_make_one(coordinator, tmp_path):
+    from prime.rl.orchestrator.config import OrchestratorConfig
+    from prime.rl.orchestrator.service import OrchestratorService
+
+    with pytest.raises(SystemExit, match="--service orchestrator"):
+        OrchestratorService.build(OrchestratorConfig(), make_token(tmp_path / "coord", 600, role="worker"),
+                                  tmp_path / "run")

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mesh import BroadcastMember, JsonServer, Refused, Route, TokenCheck
+from elastic_mesh import BroadcastMember, JsonServer, Refused, Route, TokenCheck, read_token
 from prime.rl.environments import build_environment
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.core import Orchestrator
@@ -25,6 +25,7 @@ from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
 from prime.rl.orchestrator.evaluations import Evaluations
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.versions import FollowedVersions
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE
 from prime.rl.transport.policy_files import POLICY_KIND, policy_broadcast_settings
 
 log = logging.getLogger("prime.rl.orchestrator")
@@ -86,6 +87,12 @@ class OrchestratorService:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         records = RunRecords(run_dir / "metrics.jsonl")
+        info = read_token(token)
+        if info.tls_fp and info.service != ORCHESTRATOR_SERVICE:
+            raise SystemExit(f"this run speaks TLS and token {info.token_id} names no service "
+                             f"'{ORCHESTRATOR_SERVICE}': the trainer and workers would refuse this orchestrator's "
+                             f"certificate. Make its token with `token create --role worker --service "
+                             f"{ORCHESTRATOR_SERVICE}`")
         member = BroadcastMember(token, POLICY_KIND, run_dir / "broadcast",
                                  policy_broadcast_settings(keep=config.async_level + 2, advertise_host=advertise_host))
         versions = FollowedVersions(member, run_dir / "policies", keep=config.async_level + 2,

@@ -30,6 +30,7 @@ from prime.core.distributed import LocalGroup, broadcast_json, close_local_group
 from prime.core.optim import build_optimizer
 from prime.core.parallelize import parallelize
 from prime.inference.hf_engine import load_hf_policy
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE
 from prime.rl.trainer.config import RLTrainerConfig
 from prime.rl.transport.batches import BatchSource, OrchestratorBatches
 from prime.rl.transport.policy_files import POLICY_KIND, policy_broadcast_settings
@@ -86,7 +87,7 @@ class RLTrainer:
             weights = RetryingPublisher(BroadcastPublisher(member, policy, {"orchestrator": orchestrator},
                                                            getattr(torch, config.publish_dtype)))
             client = CoordinatorClient(orchestrator, request_timeout_s=60, retry_s=120, bearer=token,
-                                       tls=member.client.tls_context())
+                                       tls=member.client.tls_context(), service=ORCHESTRATOR_SERVICE)
             batches = OrchestratorBatches(client, keep=config.checkpoint_every + 1)
         return cls(config, model, group, run_dir, weights, batches, member, reference)
 

@@ -20,6 +20,7 @@ from elastic_mesh import BroadcastError, BroadcastMember, CoordinatorClient, Coo
 from prime.inference.engine import Completion, GenerationRequest
 from prime.inference.hf_engine import HFEngine
 from prime.inference.sampling import SamplingParams
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE
 from prime.rl.transport.policy_files import LoadedPolicy, POLICY_KIND, meta_of, policy_broadcast_settings
 from prime.rl.transport.weights import PolicyFollower
 from prime.rl.worker.clock import WorkerClock
@@ -96,7 +97,7 @@ class InferenceWorker:
             return EXIT_REFUSED
         threading.Thread(target=held.follow, daemon=True, name="policy-follower").start()
         orchestrator = CoordinatorClient(address, request_timeout_s=60, retry_s=60, bearer=token,
-                                         tls=member.client.tls_context())
+                                         tls=member.client.tls_context(), service=ORCHESTRATOR_SERVICE)
         log.info("worker ready at version %d; orchestrator %s", held.newest, address)
         return cls(config, member, held, orchestrator, work_dir, tamper)
 
