@@ -23,15 +23,14 @@ import logging
 import math
 import random
 import socket
-import ssl
 import struct
 import termios
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
+from elastic_mesh.control.service import HardenedHandler, HardenedServer, ServiceLimits
 from elastic_mesh.control.tls import accept
 from elastic_mesh.transfer.chunk_dir import ChunkDir, bitmap_has
 from elastic_mesh.transfer.chunks import Chunked, Deferred
@@ -48,14 +47,12 @@ TCP_ESTABLISHED = 1
 FRAME_HEAD = struct.Struct(">qqH")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(HardenedHandler):
+    """The hardened core's handler (control/service.py: the request must arrive within its deadlines,
+    what a client sent is logged escaped); an answer, once begun, runs on the socket's own time-out."""
+
     server: "ChunkServer"
     timeout = 30
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out as two writes: see coordinator/server.py
-
-    def log_message(self, fmt, *args):
-        log.debug("%s %s", self.address_string(), fmt % args)
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json",
               headers: dict[str, str] | None = None) -> None:
@@ -71,6 +68,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps({"error": message}).encode())
 
     def do_GET(self):
+        # The request is in: no deadline while this side answers (a standing request waits up to
+        # MAX_WAIT_S, a stream lasts as long as its chunks take; each write has the socket's time-out).
+        self.server.guard.disarm(self.connection)
         if not hmac.compare_digest(self.headers.get(KEY_HEADER, ""), self.server.key):
             return self._error(401, "a transfer key is needed (given to members the coordinator admitted)")
         url = urlsplit(self.path)
@@ -208,6 +208,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 MAX_WAIT_S = 5.0  # longest a standing request is held here
+# What one peer address may take of a chunk server: a member's download keeps a few connections to each
+# source (streams, standing requests); many members behind one address (a NAT, or loopback in tests and
+# benchmarks) share its cap. No token rate: requests carry the run's transfer key, not a token.
+CHUNK_SERVER_LIMITS = ServiceLimits(max_connections=512, max_connections_per_peer=64, read_timeout_s=10.0,
+                                    idle_timeout_s=30.0)
 
 
 def _wait_of(query: str) -> float:
@@ -276,16 +281,16 @@ def _wait_until_sent(conn, low_water: int, give_up_s: float, unsent_only: bool =
     return True
 
 
-class ChunkServer(ThreadingHTTPServer):
-    """Serves this process's newest versions of each kind it was given. Two seams for fault hooks, unset
-    in production: `before_chunk(kind, version, index)` runs before each chunk is sent (a slow uplink);
-    `chunk_filter(kind, version, index, data)` returns the bytes to send (a relay that lies)."""
-
-    daemon_threads = True
-    allow_reuse_address = True
+class ChunkServer(HardenedServer):
+    """Serves this process's newest versions of each kind it was given, on the hardened core: connections
+    capped per peer address and in total, a deadline for every request (CHUNK_SERVER_LIMITS). Two seams
+    for fault hooks, unset in production: `before_chunk(kind, version, index)` runs before each chunk is
+    sent (a slow uplink); `chunk_filter(kind, version, index, data)` returns the bytes to send (a relay
+    that lies)."""
 
     def __init__(self, host: str, port: int, key: str, keep: dict[str, int], pin_s: float = 60.0,
-                 upload_slots: int | None = None, resend_after_s: float = 1.0) -> None:
+                 upload_slots: int | None = None, resend_after_s: float = 1.0,
+                 limits: ServiceLimits | None = None) -> None:
         """keep: kind -> how many versions of it are held. An older version is also held while someone
         fetched from it in the last pin_s seconds. upload_slots: chunks sent at once; a request beyond
         them is answered 503 at once. A seeder that sends to everyone at once shares its uplink so thinly
@@ -295,11 +300,10 @@ class ChunkServer(ThreadingHTTPServer):
         that it goes out again: the member it went to may be gone)."""
         if not keep or any(n < 1 for n in keep.values()):
             raise ValueError(f"keep {keep} must name at least one kind, each keeping at least 1 version")
-        super().__init__((host, port), _Handler)
-        self.key, self.pin_s, self.keep = key, pin_s, dict(keep)
-        # Set once the coordinator certified this member's key (control/tls.py): from then on every new
+        # tls: set once the coordinator certified this member's key (control/tls.py); from then on every new
         # connection speaks TLS. Until the run's members learn this server's address there are none.
-        self.tls: ssl.SSLContext | None = None
+        super().__init__((host, port), _Handler, limits or CHUNK_SERVER_LIMITS)
+        self.key, self.pin_s, self.keep = key, pin_s, dict(keep)
         self.before_chunk: Callable[[str, int, int], None] | None = None
         self.chunk_filter: Callable[[str, int, int, bytes], bytes] | None = None
         # Set once the coordinator credentialed this member's chunk key (evidence.py): from then on every
@@ -322,18 +326,10 @@ class ChunkServer(ThreadingHTTPServer):
         self._published = threading.Condition(self._lock)  # a version was added (wait_for)
         threading.Thread(target=self.serve_forever, daemon=True, name="chunk-server").start()
 
-    @property
-    def port(self) -> int:
-        return self.server_address[1]
-
     def get_request(self):
         conn, address = self.socket.accept()
         _prefer_bbr(conn)
         return accept(conn, self.tls), address
-
-    def handle_error(self, request, client_address) -> None:
-        # A fetcher that died or gave up mid-chunk is routine here, not worth a traceback on stderr.
-        log.debug("transfer request from %s ended early", client_address, exc_info=True)
 
     def signature(self, kind: str, item: "Chunked | ChunkDir", index: int, data: bytes) -> bytes:
         """This server's signature of chunk `index` as `data` (b"" when it signs nothing). The manifest's
@@ -461,5 +457,4 @@ class ChunkServer(ThreadingHTTPServer):
             return sorted(self._held[kind])
 
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        super().stop()

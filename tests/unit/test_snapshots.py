@@ -109,7 +109,7 @@ def test_chunks_travel_over_kept_connections(tmp_path):
 def test_a_kept_connection_the_server_closed_is_reopened_without_blaming_the_source(tmp_path):
     server = serve(1)[0]
     # Idle connections are closed by the server after 0.2 s (30 s in production).
-    server.RequestHandlerClass = type("QuickHandler", (server.RequestHandlerClass,), {"timeout": 0.2})
+    server.limits = server.limits.model_copy(update={"idle_timeout_s": 0.2})
     fetcher = ChunkFetcher(addresses([server]), KEY, tmp_path)
     conns: dict = {}
     try:
@@ -430,3 +430,37 @@ def test_the_endgame_asks_a_second_source_only_for_a_late_chunk(tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_chunk_server_caps_connections_per_address_and_cuts_requests_that_never_arrive(tmp_path):
+    """Issue 50: chunk servers stand on the hardened core. Idle connections over the per-address cap are
+    closed at once; a request that never arrives whole is cut at its deadline; honest fetches go on."""
+    import socket
+
+    from elastic_mesh.control.service import ServiceLimits
+
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    server = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP,
+                         limits=ServiceLimits(max_connections_per_peer=4, read_timeout_s=0.5, idle_timeout_s=0.5))
+    server.publish(snapshot, "snapshot")
+    idle = []
+    try:
+        for _ in range(4):
+            idle.append(socket.create_connection(("127.0.0.1", server.port)))
+        time.sleep(0.1)
+        over = socket.create_connection(("127.0.0.1", server.port))
+        over.settimeout(2)
+        assert over.recv(1) == b""  # closed at once, not a thread spent on it
+        assert server.guard.refused >= 1
+        idle[0].sendall(b"GET /v1/snapshot/5 HTTP/1.1\r\n")  # a request begun and never finished
+        began = time.monotonic()
+        for conn in idle:
+            conn.settimeout(3)
+            assert conn.recv(1) == b""  # shut at its deadline: idle 0.5 s, then the request 0.5 s
+        assert time.monotonic() - began < 2.5
+        manifest, tensors, report = ChunkFetcher(addresses([server]), KEY, tmp_path).fetch("snapshot")
+        assert_state(tensors)
+    finally:
+        for conn in idle:
+            conn.close()
+        server.stop()
