@@ -21,6 +21,11 @@ Classes (issue 50's table; the rest of its list is tested in tests/unit, named i
   report-trainer   report the trainer's address for unpublished and published versions, and
                    `have` with its address                                (2 worker tokens)
   submit-flood     submissions for leases it does not hold, as fast as allowed (1 worker token)
+  revoked-token    lease on with a token revoked after its first use       (1 worker token)
+  stale-garbage    well-formed garbage on leases left to go stale          (1 worker token)
+  reroll           take a lease and give it back, over and over            (1 worker token)
+  leech            fetch every policy version, serve nothing               (4 worker tokens)
+  signed-liar      relay every version corrupted, under its own signature  (1 worker token)
 
 Prints one line per class and ends with
 
@@ -42,6 +47,7 @@ from pathlib import Path
 
 from elastic_mesh import BroadcastMember, BroadcastSettings, CoordinatorClient, CoordinatorError
 from elastic_mesh.control.token import read_token
+from elastic_mesh.coordinator.run import revoke_token
 from launch.cluster import wait_for
 from launch.rl_cluster import RLCluster, new_policy
 
@@ -89,6 +95,10 @@ class Attack(ABC):
     @abstractmethod
     def start(self) -> None:
         """Begins the attack in threads of spawn()."""
+
+    def detail(self) -> str:
+        """What the attack got, beyond the run's pace (read before stop())."""
+        return ""
 
     def stop(self) -> None:
         self.stopped.set()
@@ -279,7 +289,153 @@ class SubmitFlood(Attack):
             self.spawn(flood)
 
 
-ATTACKS = [LeaseHog, HugeBodies, IdleFlood, ForgedTokens, BogusHolder, SlowReader, ReportTrainer, SubmitFlood]
+class RevokedToken(Attack):
+    """A worker token used once (so the orchestrator's token check holds it as valid), then revoked by the
+    operator, leasing on: issue 50 measured 30 s more of service and a lease meanwhile."""
+
+    name = "revoked-token"
+
+    def start(self) -> None:
+        text = self.token()
+        client = self.bench.orchestrator_client(text)
+        client.post("/v1/rl/status", {})
+        revoke_token(self.bench.cluster.state_dir, read_token(text).token_id)
+        self.revoked_at, self.late_leases, self.last_answer_s = time.monotonic(), 0, 0.0
+
+        def lease() -> None:
+            while not self.stopped.is_set():
+                try:
+                    answer = client.post("/v1/rl/lease", {"held": self.bench.newest_version()}, retry=False)
+                    self.last_answer_s = time.monotonic() - self.revoked_at
+                    if answer.get("status") == "ok" and self.last_answer_s > 2.0:
+                        self.late_leases += 1
+                except CoordinatorError:
+                    self.stopped.wait(0.1)
+        self.spawn(lease)
+
+    def detail(self) -> str:
+        return f"leases granted > 2 s after revocation: {self.late_leases}; last served {self.last_answer_s:.1f} s after"
+
+
+class StaleGarbage(Attack):
+    """Takes leases, lets them go stale (the run moves past their version), then sends well-formed garbage:
+    issue 50 measured `stale` answers, no check and no penalty."""
+
+    name = "stale-garbage"
+
+    def start(self) -> None:
+        client = self.bench.orchestrator_client(self.token())
+        self.answers: list[str] = []
+
+        def play() -> None:
+            while not self.stopped.is_set():
+                try:
+                    lease = client.post("/v1/rl/lease", {"held": self.bench.newest_version()}, retry=False)
+                except CoordinatorError as e:
+                    if e.status == 403:
+                        self.answers.append("evicted")
+                        return
+                    self.stopped.wait(0.2)
+                    continue
+                if lease.get("status") != "ok":
+                    continue
+                self.stopped.wait(3.0)  # several versions later: the lease is stale
+                garbage = [{"tokens": [7] * 8, "logprobs": [-1.0] * 8, "finish_reason": "length",
+                            "proof": base64.b64encode(bytes(64)).decode()} for _ in lease["requests"]]
+                try:
+                    answer = client.post("/v1/rl/submit", {"lease": lease["lease"], "completions": garbage},
+                                         retry=False)
+                    self.answers.append(str(answer.get("status")))
+                except CoordinatorError as e:
+                    self.answers.append("evicted" if e.status == 403 else f"HTTP {e.status}")
+                    if e.status == 403:
+                        return
+        self.spawn(play)
+
+    def detail(self) -> str:
+        return f"answers to its garbage: {', '.join(self.answers) or 'none'}"
+
+
+class Reroll(Attack):
+    """Fishes for prompts it likes: takes a lease and gives it straight back, over and over (1 worker token)."""
+
+    name = "reroll"
+
+    def start(self) -> None:
+        client = self.bench.orchestrator_client(self.token())
+        self.leases, self.evicted = 0, False
+
+        def fish() -> None:
+            while not self.stopped.is_set():
+                try:
+                    lease = client.post("/v1/rl/lease", {"held": self.bench.newest_version()}, retry=False)
+                    if lease.get("status") == "ok":
+                        self.leases += 1
+                        client.post("/v1/rl/give-back", {"lease": lease["lease"], "reason": "not this one"},
+                                    retry=False)
+                except CoordinatorError as e:
+                    if e.status == 403:
+                        self.evicted = True
+                        return
+                    self.stopped.wait(0.2)
+        self.spawn(fish)
+
+    def detail(self) -> str:
+        return f"leases taken and given back: {self.leases}, then {'evicted' if self.evicted else 'not evicted'}"
+
+
+class Leech(Attack):
+    """4 broadcast members that fetch every policy version and serve nothing (4 worker tokens)."""
+
+    name = "leech"
+
+    def start(self) -> None:
+        def leech(i: int) -> None:
+            member = BroadcastMember(self.token(str(i)), "policy", self.bench.run_dir / f"rogue-leech{i}",
+                                     BroadcastSettings(host="127.0.0.1"), serve=False)
+            self.members.append(member)
+            last = -1
+            while not self.stopped.is_set():
+                newest = self.bench.newest_version()
+                if newest > last:
+                    try:
+                        member.fetch(newest)
+                        last = newest
+                    except Exception:  # noqa: BLE001 - a version retired mid-fetch: the next one
+                        pass
+                self.stopped.wait(0.1)
+        for i in range(4):
+            self.spawn(leech, i)
+
+
+class SignedLiar(Attack):
+    """A relay that fetches each version and serves it corrupted, under its own signature, to whoever asks
+    (1 worker token): one honest report with that signature bans its token from serving the policy."""
+
+    name = "signed-liar"
+
+    def start(self) -> None:
+        self.liar = BroadcastMember(self.token(), "policy", self.bench.run_dir / "rogue-liar",
+                                    BroadcastSettings(host="127.0.0.1"))
+        self.members.append(self.liar)
+        self.liar.server.chunk_filter = lambda kind, version, index, data: bytes(b ^ 0x5A for b in data[:64]) + data[64:]
+
+        # A relay like any other: each version fetched the moment it is announced, beside the honest members.
+        self.spawn(self.liar.follow)
+
+    def detail(self) -> str:
+        served = sum(self.liar.server.served.values())
+        try:
+            self.liar.client.post("/v1/broadcast/have", {"kind": "policy", "version": self.bench.newest_version(),
+                                                         "port": self.liar.server.port, "chunks": "all"}, retry=False)
+            banned = "not banned"
+        except CoordinatorError as e:
+            banned = "its token banned from serving" if "banned from serving" in str(e) else f"have refused: {e}"[:90]
+        return f"served {served / 1e6:.1f} MB of corrupt chunks, {banned}"
+
+
+ATTACKS = [LeaseHog, HugeBodies, IdleFlood, ForgedTokens, BogusHolder, SlowReader, ReportTrainer, SubmitFlood,
+           RevokedToken, StaleGarbage, Reroll, Leech, SignedLiar]
 
 
 class Bench:
@@ -357,11 +513,12 @@ class Bench:
                 except CoordinatorError as e:
                     during = 0.0
                     print(f"rl_adversarial: {attack.name}: the orchestrator did not answer: {e}", flush=True)
+                detail = attack.detail()
                 attack.stop()
                 rogues.update(attack.tokens)
                 results.append((attack.name, during / baseline if baseline else 0.0))
                 print(f"rl_adversarial: {attack.name:15s} {during:6.1f} steps/min against {baseline:6.1f} just before "
-                      f"= {results[-1][1]:.2f} x baseline", flush=True)
+                      f"= {results[-1][1]:.2f} x baseline" + (f"; {detail}" if detail else ""), flush=True)
                 time.sleep(3)
                 self.heal()
             rogue_rows = self.rogue_rollouts(rogues)
