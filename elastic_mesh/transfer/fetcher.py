@@ -43,7 +43,13 @@ from elastic_mesh.transfer.evidence import (
     ChunkProof,
     decode_credential,
 )
-from elastic_mesh.transfer.schedule import DownloadSchedule, NoUsableSource, Request
+from elastic_mesh.transfer.schedule import (
+    UNPROVEN_PATIENCE_S,
+    DownloadSchedule,
+    NoUsableSource,
+    Request,
+    endgame_patience,
+)
 from elastic_mesh.transfer.server import FRAME_HEAD, KEY_HEADER
 from elastic_mesh.transfer.sources import SourcePicker
 
@@ -256,6 +262,9 @@ class Download:
         self._cond = threading.Condition()
         self._waiting: set[threading.Thread] = set()  # the streams whose request is a standing one
         self._asking: dict[threading.Thread, int] = {}  # the streams asking for one named chunk: which
+        # Since when the seeder has had nothing new for this member (it answered an only_new request 204: it
+        # sent those chunks to other members a moment ago, to be relayed). None once it sends again.
+        self._withheld_since: float | None = None
 
     def run(self) -> None:
         """Returns once the target is complete; raises TransferError when it cannot be (never returns a
@@ -381,6 +390,14 @@ class Download:
             # seeder sent one of them comes on from them, so the seeder's uplink carries each chunk once.
             seeders = self.seeders()
             relayed = bool(self.schedule.standing) or any(s not in seeders for s in self.holders())
+            # ... unless what the seeder withheld has not come on within a relay's time: it went to a member
+            # that does not pass it on (a leech, or one that died). Then the seeder is asked plainly.
+            # A relay's time: three of this download's chunk times (endgame_patience), or before any chunk
+            # came, as long as an unproven holder is given (UNPROVEN_PATIENCE_S).
+            withheld = self._withheld_since
+            patience = endgame_patience(self.schedule.took) if self.schedule.took else UNPROVEN_PATIENCE_S
+            if withheld is not None and request.seeded and time.monotonic() - withheld >= patience:
+                relayed = False
         path = self._path(request, relayed)
         if self.stream and index is None:
             return self._fetch_streamed(conns, path, request, source in seeders)
@@ -393,6 +410,7 @@ class Download:
                 data = data[8:]
         except NothingYet:  # a standing request that waited in vain: ask again at once; a seeder that
             # sent every wanted chunk to someone a moment ago: ask it again shortly
+            self._note_withheld(request)
             self.picker.busy(source, back_off_s=0.0 if request.wait_s else 0.1)
             return self._settle(index, source, "busy")
         except SourceBusy:
@@ -424,7 +442,15 @@ class Download:
         if self.on_bad:
             self.on_bad(source, index, why, served)
 
+    def _note_withheld(self, request: Request) -> None:
+        if request.seeded:
+            with self._cond:
+                if self._withheld_since is None:
+                    self._withheld_since = time.monotonic()
+
     def _keep(self, index: int, data: bytes, source: str, from_seeder: bool) -> None:
+        if from_seeder:
+            self._withheld_since = None
         fresh = self.target.put(index, data, seeded=from_seeder)
         self._settle(index, source, "ok", nbytes=len(data) if fresh else 0)
         if fresh and self.on_verified:
@@ -451,6 +477,7 @@ class Download:
                           time.monotonic() - started)
                 self._keep(index, data, source, from_seeder)
         except NothingYet:
+            self._note_withheld(request)
             self.picker.busy(source, back_off_s=0.0 if request.wait_s else 0.1)
             return self._settle(None, source, "busy")
         except SourceBusy:

@@ -4,6 +4,7 @@ chunk as the server has them, and the download that uses them (real servers on l
 from __future__ import annotations
 
 import base64
+import http.client
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ from elastic_mesh.transfer.fetcher import (
     get_chunk,
     stream_chunks,
 )
-from elastic_mesh.transfer.server import ChunkServer
+from elastic_mesh.transfer.server import KEY_HEADER, ChunkServer
 from elastic_mesh.transfer.sources import SourcePicker
 from tests.unit.test_snapshots import CHUNK, KEEP, KEY, assert_state, state
 
@@ -270,3 +271,41 @@ def test_a_version_retired_during_its_download_ends_the_download_with_that_reaso
         seeder.stop()
     assert not crashed and not report.failed, (crashed, report.failed)
     assert not target.directory.exists()
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "a request per chunk"])
+def test_chunks_the_seeder_gave_a_leech_come_from_the_seeder_after_a_relays_time(tmp_path, streamed):
+    """Issue 50's leech: the seeder counts a chunk it sent under only_new as on its way through the swarm and
+    does not resend it for resend_after_s (here 60 s). A member that took every chunk and relays nothing
+    used to leave the others waiting that long (0.65x the honest RL pace with 4 leeches); now a follower
+    asks the seeder plainly once what it withheld has not come within a relay's time (0.5 s here)."""
+    snapshot = lay_out(5, state(), {"outer_step": 5}, chunk_bytes=CHUNK)
+    n = len(snapshot.manifest["chunks"])
+    seeder = ChunkServer("127.0.0.1", 0, KEY, keep=KEEP, resend_after_s=60.0)
+    seeder.publish(snapshot, "snapshot")
+    source = f"127.0.0.1:{seeder.port}"
+    # The leech asks from an address of its own (the seeder also keeps apart what it sent each address).
+    leech_conn = http.client.HTTPConnection("127.0.0.1", seeder.port, timeout=10, source_address=("127.0.0.2", 0))
+    try:
+        for _ in range(n):  # the leech takes every chunk as new, each counted as on its way
+            leech_conn.request("GET", f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}?only_new=1", headers={KEY_HEADER: KEY})
+            answer = leech_conn.getresponse()
+            assert answer.status == 200 and answer.read()
+        leech_conn.request("GET", f"/v1/snapshot/5/fresh/{bitmap(range(n), n)}?only_new=1", headers={KEY_HEADER: KEY})
+        answer = leech_conn.getresponse()
+        assert answer.status == 204 and not answer.read()  # every chunk is "on its way" for 60 s
+        target = ChunkDir(tmp_path / "me", snapshot.manifest)
+        report = FetchReport(5, snapshot.manifest["total_bytes"], n)
+        leech = "127.0.0.1:1"  # a holder that holds nothing: the follower believes chunks go on through peers
+        began = time.monotonic()
+        Download(lambda src, path, conns, first=None: get_chunk(KEY, 10, src, path, conns, first_byte_s=first), target,
+                 "snapshot", lambda: {source: None, leech: bytes((n + 7) // 8)}, SourcePicker(2), report, streams=2,
+                 stall_s=30, seeders=lambda: {source},
+                 stream=(lambda src, path, conns, size_of, first=None: stream_chunks(KEY, 10, src, path, conns, size_of,
+                                                                                    first)) if streamed else None).run()
+        took = time.monotonic() - began
+    finally:
+        leech_conn.close()
+        seeder.stop()
+    assert target.complete and report.bytes_from == {source: snapshot.manifest["total_bytes"]}
+    assert took < 10, f"{took:.1f} s: the follower waited on the seeder's only_new pause"
