@@ -106,9 +106,11 @@ def test_delayed_non_finite_round_is_refused_and_read_again(tmp_path, corpus):
 
 def test_delayed_join_takes_a_snapshot_and_contributes(tmp_path, corpus):
     c, late, caught, _ = join_midway(tmp_path, corpus, steps=100, after=2, extra=DELAYED)
-    assert len(caught) == 1 and caught[0]["snapshot_bytes"] > 0, caught
+    # One snapshot. A joiner still too slow for the round after it (its first inner steps, 2 cores shared by
+    # the whole suite) is left out of that one and replays it: a catch-up without a snapshot, by design.
+    assert caught[0]["snapshot_bytes"] > 0 and all(r["snapshot_bytes"] == 0 for r in caught[1:]), caught
     first = min(late)
-    assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught, late[first])
+    assert first == caught[-1]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught, late[first])
     assert_identical(c, ["node0", "node1", "late"], range(first, 21))
     assert_exactly_once(c, corpus)
 
