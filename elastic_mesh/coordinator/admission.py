@@ -36,6 +36,10 @@ class Admission:
             raise Refused(403, str(e)) from None
         if self.state.token_revoked(token.token_id):
             raise Refused(403, f"token {token.token_id} was revoked; ask the run's operator for a new one")
+        strikes = self.state.strikes_of(token.token_id)
+        if strikes >= self.config.max_strikes:
+            raise Refused(403, f"token {token.token_id} is banned: its nodes held rounds up {strikes} times (see the "
+                               "run's events); ask the run's operator for a new one")
         if token.role != "node":
             raise Refused(403, f"this is a{'n' if token.role[0] in 'aeiou' else ''} {token.role} token: it cannot "
                                "join as a training node; ask the run's operator for a node token")

@@ -23,7 +23,9 @@ from typing import Protocol
 
 from elastic_mesh.coordinator.config import CoordinatorConfig, Refused
 from elastic_mesh.coordinator.leases import LedgerError, WorkLedgers, parse_report
+from elastic_mesh.coordinator.rendezvous import RendezvousRules
 from elastic_mesh.coordinator.state import CoordinatorState, Node, RoundDecision
+from elastic_mesh.coordinator.strikes import Strikes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,16 @@ class RoundBarrier:
         self.round_times: deque[float] = deque(maxlen=20)
         self.last_ready_at: dict[str, float] = {}
         self.expected: dict[str, int] = {}  # node_id -> the round a node still catching up will be back for
+        self.rendezvous = RendezvousRules(state)
+        self.strikes = Strikes(state, config, members)
+        self.opened_at: dict[tuple[int, int], float] = {}  # (round, attempt) -> when its members were fixed
+        self.barred: dict[int, set[str]] = defaultdict(set)  # round -> members struck in it: not in its retries
+        self.present: dict[tuple[int, int], set[str]] = defaultdict(set)  # (round, attempt) -> members that came
+        # Nodes a barrier waited the whole deadline for in vain: not waited for again until they are ready
+        # within a deadline of a round's first ready node (or take part in one). Otherwise a node that
+        # never comes, but commits each round's hash to look in step, costs every round the deadline.
+        self.unwaited: set[str] = set()
+        self.began: dict[int, float] = {}  # round -> when its first node was ready (kept after it is fixed)
         # Whatever was in flight when the previous process died is re-run from scratch; nothing was
         # applied, since members apply only after an "apply" decision, which is always written first.
         with state.transaction():
@@ -65,10 +77,12 @@ class RoundBarrier:
     def declare_ready(self, node: Node, body: dict) -> dict | None:
         """Answers go/missed/resync, or None while the members of the round are not fixed yet."""
         number = int(body["round"])
+        if node.node_id in self.unwaited and time.monotonic() - self.began.get(number, time.monotonic()) <= self.deadline_s():
+            self.unwaited.discard(node.node_id)  # it would have made it: waited for again from the next round
         committed = self.state.committed_round()
         if node.needs_resync:
             return {"status": "resync", "committed_round": committed}
-        if number <= committed:
+        if number <= committed or node.node_id in self.barred.get(number, ()):
             return {"status": "missed", "committed_round": committed}
         if number > committed + 1:
             raise Refused(409, f"round {number} is ahead of the run (last committed {committed})")
@@ -82,6 +96,7 @@ class RoundBarrier:
             now = time.monotonic()
             self.ready[number][node.node_id] = Ready(now, bool(body.get("contributes", True)))
             self.first_ready.setdefault(number, now)
+            self.began.setdefault(number, now)
             if node.node_id in self.last_ready_at:
                 self.round_times.append(now - self.last_ready_at[node.node_id])
             self.last_ready_at[node.node_id] = now
@@ -133,8 +148,8 @@ class RoundBarrier:
         # A node back from a catch-up (it said it would be back for this round, or caught up to the round
         # before by replaying it) is waited for one ordinary round at most: its last replay and first
         # inner steps must not cost the others more than that. If it misses, it catches up again.
-        in_step = {nid for nid, n in live.items() if not n.needs_resync
-                   and (n.round == number - 1 or self.expected.get(nid) == number)}
+        in_step = {nid for nid, n in live.items() if not n.needs_resync and nid not in self.barred.get(number, ())
+                   and nid not in self.unwaited and (n.round == number - 1 or self.expected.get(nid) == number)}
         returning = {nid for nid in in_step if self.expected.get(nid) == number}
         late_holders, late_returning = (in_step - returning) - set(ready), returning - set(ready)
         if (late_holders and waited < self.deadline_s()) or (late_returning and waited < self.return_wait_s()):
@@ -160,12 +175,26 @@ class RoundBarrier:
                 self.state.event(f"epoch {epoch}: {len(members)} nodes ({', '.join(m['name'] for m in decision.members)})")
             if late:
                 self.state.event(f"round {number}: left out late node(s) {', '.join(late)} after {waited:.1f} s")
+        self.opened_at[(number, decision.attempt)] = time.monotonic()
+        self.unwaited = (self.unwaited | {nid for nid in in_step - returning if nid not in ready}) - set(members)
+        self.began = {n: t for n, t in self.began.items() if n >= number - 1}
         self.ready.pop(number, None)
         self.first_ready.pop(number, None)
         self.expected = {nid: s for nid, s in self.expected.items() if s > number}
         log.info("round %d attempt %d: epoch %d with %d node(s)%s", number, decision.attempt, epoch,
                  len(members), f", without late {', '.join(late)}" if late else "")
         self.changed.notify_all()
+
+    def show_up(self, node: Node, body: dict) -> dict:
+        """A member says it has begun the attempt it was given (before its rendezvous and transfer): the
+        coordinator's own record of who showed up (strikes.py)."""
+        number, attempt = int(body["round"]), int(body["attempt"])
+        current = next((s for s in self.state.rounds(number) if s.attempt == attempt), None)
+        if current is None or not any(m["node_id"] == node.node_id for m in current.members):
+            raise Refused(409, f"{node.name} is not a member of round {number} attempt {attempt}")
+        if current.decision == "open":
+            self.present[(number, attempt)].add(node.node_id)
+        return {"status": "ok", "decision": current.decision}
 
     def _go(self, current: RoundDecision, rank: int) -> dict:
         return {"status": "go", "round": current.round, "attempt": current.attempt, "epoch": current.epoch,
@@ -184,14 +213,16 @@ class RoundBarrier:
             wrong = self.members.work.check(node.node_id, consumed)
         except LedgerError as e:
             wrong = str(e)
+        votes = self.votes[(number, attempt)]
         if wrong:
             # Honest nodes only report what they leased; this is a bug or a forgery, never averaged data lost
-            # silently: the node's vote is refused, the attempt aborts when its lease runs out.
+            # silently: the node's vote is refused and it is struck; the others retry without it at once.
+            self._strike_out(decided, {node.node_id: ("work report", wrong)}, votes)
             raise Refused(400, f"work report refused: {wrong}")
-        votes = self.votes[(number, attempt)]
         votes[node.node_id] = {"ok": bool(body.get("ok")), "refused": dict(body.get("refused") or {}),
                                "blame": list(body.get("blame") or []), "allreduce_s": body.get("allreduce_s"),
-                               "consumed": consumed}
+                               "consumed": consumed,  # a long poll asks again: the first ask's time counts
+                               "at": votes[node.node_id]["at"] if node.node_id in votes else time.monotonic()}
         self.members.expire()
         members = [m["node_id"] for m in decided.members]
         failed = [nid for nid, v in votes.items() if not v["ok"]]
@@ -235,6 +266,10 @@ class RoundBarrier:
                                  f"(failed: {', '.join(failed) or 'a member vanished'}); retrying")
         log.info("round %d attempt %d: %s", current.round, current.attempt, decision)
         self.votes.pop((current.round, current.attempt), None)
+        self.opened_at.pop((current.round, current.attempt), None)
+        self.present.pop((current.round, current.attempt), None)
+        if decision == "apply":
+            self.barred = defaultdict(set, {n: s for n, s in self.barred.items() if n > current.round})
         self.changed.notify_all()
 
     def commit(self, node: Node, body: dict) -> dict:
@@ -290,12 +325,49 @@ class RoundBarrier:
                             if not self.members.is_live(m["node_id"]) and m["node_id"] not in votes]
                     if gone:
                         self._decide(current, "abort", votes)
+            self._strike_laggards()
             for current in self.state.open_rounds():
                 # A member that died before voting (even before anyone voted: in the rendezvous or the
                 # state transfer) dooms the attempt; deciding now frees the others from waiting on it.
                 votes = self.votes.get((current.round, current.attempt), {})
                 if any(not self.members.is_live(m["node_id"]) and m["node_id"] not in votes for m in current.members):
                     self._decide(current, "abort", votes)
+
+    def _strike_laggards(self) -> None:
+        """Aborts an attempt held up by a live member that did not show up for it or did not
+        vote once every other member had voted ok (see strikes.py), striking that member."""
+        now = time.monotonic()
+        for current in self.state.open_rounds():
+            opened = self.opened_at.get((current.round, current.attempt))
+            if opened is None:
+                continue
+            votes = self.votes.get((current.round, current.attempt), {})
+            members = [m["node_id"] for m in current.members]
+            late: dict[str, tuple[str, str]] = {}
+            came = self.present.get((current.round, current.attempt), set())
+            if came and now - opened >= self.config.show_up_grace_s:
+                for nid in members:
+                    if nid not in came and nid not in votes and self.members.is_live(nid):
+                        late[nid] = ("no-show", f"did not begin round {current.round} attempt {current.attempt} "
+                                                f"in {now - opened:.0f} s while {len(came)} member(s) did")
+            waiting = [nid for nid in members if nid not in votes and self.members.is_live(nid)]
+            if votes and waiting and all(v["ok"] for v in votes.values()):
+                since = now - max(v["at"] for v in votes.values())
+                if since >= self.config.vote_grace_s:
+                    for nid in waiting:
+                        late.setdefault(nid, ("silent", f"no vote {since:.0f} s after the {len(votes)} other "
+                                                        f"member(s) voted ok on round {current.round}"))
+            if late:
+                self._strike_out(current, late, votes)
+
+    def _strike_out(self, current: RoundDecision, struck: dict[str, tuple[str, str]], votes: dict[str, dict]) -> None:
+        """Strikes each member of `struck` ({node_id: (kind, why)}), bars it from this round's retries and
+        aborts the attempt."""
+        with self.state.transaction():
+            for nid, (kind, why) in struck.items():
+                self.strikes.strike(nid, kind, why)
+        self.barred[current.round].update(struck)
+        self._decide(current, "abort", votes)
 
     def epoch_is_dead(self, epoch: int) -> bool:
         """True once the newest attempt of the epoch aborted: its rendezvous will never complete."""

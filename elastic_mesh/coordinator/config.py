@@ -21,6 +21,14 @@ class CoordinatorConfig(BaseModel):
         0.5, ge=0, description="Wait for late nodes up to this fraction of the median measured round time.")
     poll_s: float = Field(5.0, gt=0, description="Longest a long-poll request is held before 'wait' is answered.")
     start_nodes: int = Field(1, ge=1, description="The first round waits until this many nodes are ready.")
+    show_up_grace_s: float = Field(
+        10.0, gt=0, description="A member that has not begun its attempt (/v1/present) this long after the attempt "
+        "opened, while others have, is a no-show: the attempt is aborted and retried without it, and it is struck.")
+    vote_grace_s: float = Field(
+        10.0, gt=0, description="A member that has not voted this long after every other member voted ok is "
+        "silent: the attempt is aborted and retried without it, and it is struck.")
+    max_strikes: int = Field(2, ge=1, description="A token whose nodes were struck this many times (no-show, silent, "
+                             "a work report that is not theirs) is banned: its nodes evicted, its joins refused.")
     public_status: bool = Field(False, description="Serve /status to anyone; otherwise it needs a join token "
                                 "(Authorization: Bearer TOKEN) or a node's session.")
     max_request_bytes: int = Field(1 << 20, gt=0, description="Larger requests are refused (HTTP 413).")

@@ -194,4 +194,5 @@ class Coordinator:
                 "rounds": self.state.round_summaries(),
                 "broadcast": self.broadcasts.summary(),
                 "events": self.state.events(),
+                "strikes": self.state.strikes(),
             }

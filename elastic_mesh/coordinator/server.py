@@ -164,6 +164,8 @@ def _long_poll(coordinator: Coordinator, attempt) -> dict:
 
 def _store_get(c: Coordinator, node, body) -> dict:
     key = str(body["key"])
+    with c.lock:
+        c.rounds.rendezvous.rank_of(node, key)
     return _long_poll(c, lambda: _found(c, key, c.state.store_get(key)))
 
 
@@ -179,19 +181,26 @@ def _refuse_dead_epoch(c: Coordinator, key: str) -> None:
     letting Gloo wait for its own time-out."""
     epoch = key[1:].split("/", 1)[0] if key.startswith("e") else ""
     if epoch.isdigit() and c.rounds.epoch_is_dead(int(epoch)):
-        raise Refused(410, f"epoch {epoch} was aborted (a member died before the rendezvous completed)")
+        raise Refused(410, f"epoch {epoch} was aborted (a member died or held it up before the rendezvous "
+                           "completed)")
 
 
 def _store_set(c: Coordinator, node, body) -> dict:
-    with c.lock, c.state.transaction():
-        c.state.store_set(str(body["key"]), base64.b64decode(body["value"], validate=True))
-        c.changed.notify_all()
+    key, value = str(body["key"]), base64.b64decode(body["value"], validate=True)
+    with c.lock:
+        if c.rounds.rendezvous.check_set(node, key, value):
+            with c.state.transaction():
+                c.state.store_set(key, value)
+            c.changed.notify_all()
     return {"status": "ok"}
 
 
 def _store_add(c: Coordinator, node, body) -> dict:
     key, amount = str(body["key"]), int(body["amount"])
+    if not -(1 << 62) < amount < 1 << 62:
+        raise Refused(400, "a store counter moves by less than 2**62 at a time")
     with c.lock, c.state.transaction():
+        c.rounds.rendezvous.rank_of(node, key)
         current = c.state.store_get(key)
         value = (int(current.decode()) if current else 0) + amount
         c.state.store_set(key, str(value).encode())
@@ -200,13 +209,24 @@ def _store_add(c: Coordinator, node, body) -> dict:
 
 
 def _store_check(c: Coordinator, node, body) -> dict:
-    keys = [str(k) for k in body["keys"]]
+    keys = _member_keys(c, node, body)
     with c.lock:
         return {"status": "ok", "present": all(c.state.store_get(k) is not None for k in keys)}
 
 
+def _member_keys(c: Coordinator, node, body) -> list[str]:
+    keys = body["keys"]
+    if not isinstance(keys, list) or not 0 < len(keys) <= 64:
+        raise Refused(400, "keys: a list of 1 to 64 rendezvous keys")
+    keys = [str(k) for k in keys]
+    with c.lock:
+        for key in keys:
+            c.rounds.rendezvous.rank_of(node, key)
+    return keys
+
+
 def _store_wait(c: Coordinator, node, body) -> dict:
-    keys = [str(k) for k in body["keys"]]
+    keys = _member_keys(c, node, body)
 
     def present() -> dict | None:
         missing = [k for k in keys if c.state.store_get(k) is None]
@@ -222,6 +242,7 @@ _ROUTES = {
     "/v1/heartbeat": lambda c, n, b: c.heartbeat(n, b),
     "/v1/leave": lambda c, n, b: c.leave(n),
     "/v1/ready": lambda c, n, b: _long_poll(c, lambda: c.rounds.declare_ready(c.state.node(n.node_id), b)),
+    "/v1/present": lambda c, n, b: c.rounds.show_up(c.state.node(n.node_id), b),
     "/v1/vote": lambda c, n, b: _long_poll(c, lambda: c.rounds.vote(c.state.node(n.node_id), b)),
     "/v1/commit": lambda c, n, b: c.rounds.commit(n, b),
     "/v1/will_join": lambda c, n, b: c.rounds.will_join(n, b),

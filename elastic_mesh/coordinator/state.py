@@ -34,6 +34,8 @@ CREATE TABLE IF NOT EXISTS work_items (kind TEXT NOT NULL, item INTEGER NOT NULL
 CREATE TABLE IF NOT EXISTS work_log (id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, kind TEXT NOT NULL,
     node_id TEXT NOT NULL, worker INTEGER NOT NULL, item INTEGER NOT NULL, pass INTEGER NOT NULL, start TEXT NOT NULL,
     end TEXT NOT NULL, finished INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS strikes (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, token_id TEXT NOT NULL,
+    node TEXT NOT NULL, kind TEXT NOT NULL, why TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS telemetry (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, time REAL NOT NULL,
     record TEXT NOT NULL);
 """
@@ -137,6 +139,12 @@ class CoordinatorState:
                               "LIMIT 1", (epoch,)).fetchone()
         return row[0] if row else None
 
+    def epoch_members(self, epoch: int) -> list[dict]:
+        """The members, in rank order, of the newest attempt that formed or reused `epoch` ([] if none)."""
+        row = self.db.execute("SELECT members FROM rounds WHERE epoch = ? ORDER BY round DESC, attempt DESC LIMIT 1",
+                              (epoch,)).fetchone()
+        return json.loads(row[0]) if row else []
+
     def committed_round(self) -> int:
         row = self.db.execute("SELECT MAX(round) FROM rounds WHERE decision = 'apply'").fetchone()
         return row[0] or 0
@@ -197,6 +205,21 @@ class CoordinatorState:
         return [dict(zip(("token_id", "role", "max_nodes", "expires_at", "created_at", "revoked_at"), r)) for r in rows]
 
     # events
+    # strikes (coordinator/strikes.py): what a token's nodes did that cost the others an attempt
+    def add_strike(self, token_id: str, node: str, kind: str, why: str) -> int:
+        """Records a strike against `token_id`; its number of strikes now."""
+        self.db.execute("INSERT INTO strikes (time, token_id, node, kind, why) VALUES (?, ?, ?, ?, ?)",
+                        (time.time(), token_id, node, kind, why))
+        return self.strikes_of(token_id)
+
+    def strikes_of(self, token_id: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM strikes WHERE token_id = ?", (token_id,)).fetchone()[0]
+
+    def strikes(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT time, token_id, node, kind, why FROM strikes ORDER BY id DESC LIMIT ?",
+                               (limit,)).fetchall()
+        return [dict(zip(("time", "token_id", "node", "kind", "why"), r)) for r in reversed(rows)]
+
     def event(self, text: str) -> None:
         self.db.execute("INSERT INTO events (time, text) VALUES (?, ?)", (time.time(), text))
 

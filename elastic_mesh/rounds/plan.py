@@ -49,6 +49,11 @@ class RoundClient:
                                  lambda a: a.get("status") != "wait")
         return RoundPlan(**{k: answer[k] for k in RoundPlan.__dataclass_fields__ if k in answer})
 
+    def present(self, plan: RoundPlan) -> None:
+        """Tells the coordinator this node has begun its attempt: a member that does not, while others do,
+        is struck and the attempt retried without it (coordinator/strikes.py)."""
+        self.leader(lambda: self.client.post("/v1/present", {"round": plan.round, "attempt": plan.attempt}))
+
     def vote(self, plan: RoundPlan, ok: bool, refused: dict[int, str], blame: list[int], seconds: float,
              consumed: dict[str, list[dict]] | None = None) -> str:
         """Asks the coordinator whether every member succeeded; 'apply' or 'abort', the same for all.

@@ -44,6 +44,11 @@ class FaultConfig(BaseModel):
                              "before the node applies it and commits its hash (0: never).")
     freeze_s: float = Field(0.0, ge=0, le=600, description="How long the freeze lasts (longer than the "
                                                            "coordinator's lease: the node is declared dead meanwhile).")
+    hold_up_at_outer_step: int = Field(
+        0, ge=0, description="Take a place in this outer step's round, then stay away from its rendezvous for "
+                             "hold_up_s while the node keeps its heartbeats (a member that holds a round up; the "
+                             "coordinator strikes it) (0: never).")
+    hold_up_s: float = Field(60.0, ge=0, le=600, description="How long a hold-up lasts.")
     control_dir: str = Field(
         "", description="A directory a fault injector drops commands into while the node runs: a file `nan` "
                         "poisons the next pseudo-gradient, `kill-in-allreduce` kills the node between the phases of "
@@ -93,6 +98,7 @@ class FaultHook:
         """server: the node's transfer server (elastic_mesh ChunkServer), for slow serving."""
         self.config, self.server = config, server
         self._corrupt_until = 0.0  # what is published before this time.monotonic() is served corrupted
+        self._held_up = False
 
     # ---- StepHook ------------------------------------------------------------------------------------
     def on_start(self, trainer) -> None:
@@ -122,6 +128,11 @@ class FaultHook:
             pseudo.mul_(1e4)
 
     def allreduce_phase(self, outer_step: int, phase: str) -> None:
+        if phase == "go" and self.config.hold_up_at_outer_step == outer_step and not self._held_up:
+            self._held_up = True  # once: the retry the coordinator makes goes on without this node
+            log.warning("chaos: holding outer step %d up for %.0f s (no rendezvous, heartbeats go on)",
+                        outer_step, self.config.hold_up_s)
+            time.sleep(self.config.hold_up_s)
         if phase == "scatter" and (self.config.kill_in_allreduce_at == outer_step or self._take("kill-in-allreduce")):
             kill_node(f"between the phases of outer step {outer_step}'s all-reduce")
 

@@ -182,7 +182,10 @@ def exchange(mesh: ElasticDeviceMesh, step: int, pseudo: torch.Tensor, data: lis
             return Exchange(step, plan.status, plan)
         lap("plan_s")
         result, ok, blame = None, True, []
+        if on_phase:
+            on_phase("go")  # a place in the round is taken: the fault hook's moment to not show up
         try:
+            mesh.rounds.present(plan)
             if not mesh.agree(True):
                 raise RuntimeError("another local rank failed before the transfer")
             valid = mesh.agree(bool(torch.isfinite(pseudo).all()))

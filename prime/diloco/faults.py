@@ -16,7 +16,8 @@ class OuterStepFaults(Protocol):
         """May poison the pseudo-gradient in place before it is sent."""
 
     def allreduce_phase(self, outer_step: int, phase: str) -> None:
-        """Called between the phases of the all-reduce (e.g. 'scatter'); may kill the node."""
+        """Called when the node gets its place in an attempt ('go', before the rendezvous) and between the
+        phases of the all-reduce ('scatter'); may kill or stall the node."""
 
     def decided(self, outer_step: int) -> None:
         """Called once the outer step is decided for this node, before it applies it and commits its hash;

@@ -231,6 +231,29 @@ def test_a_node_frozen_between_an_outer_step_and_its_commit_rejoins_by_itself(tm
     assert_exactly_once(c, corpus)
 
 
+def test_a_member_that_holds_a_round_up_costs_one_attempt_and_is_struck(tmp_path, corpus):
+    """node2 takes its place in outer step 2's round, then stays away for 12 s while its heartbeats go on
+    (issue 50, item 9). The coordinator aborts that attempt after its show-up grace (3 s here), not after
+    the others' transfer time-out (10 s here, 30 s by default), strikes node2 and retries without it; node2
+    is told the step went on without it, catches up and contributes again."""
+    slow = ["--chaos.step_delay_s", "0.2"]
+    with cluster(tmp_path, corpus, 3, steps=60, coordinator=["--show-up-grace-s", "3"]) as c:
+        c.start_node("node0", slow)
+        c.start_node("node1", slow)
+        c.start_node("node2", [*slow, "--chaos.hold_up_at_outer_step", "2", "--chaos.hold_up_s", "12"])
+        assert c.wait_nodes(300) == {"node0": 0, "node1": 0, "node2": 0}, c.log("node2")[-3000:]
+        status = c.status()
+    assert [(s["node"], s["kind"]) for s in status["strikes"]] == [("node2", "no-show")], status["strikes"]
+    waited = float(status["strikes"][0]["why"].split(" in ")[1].split(" s")[0])
+    assert 3 <= waited < 8, status["strikes"]  # the grace and a tick: before the hold-up ended
+    step2 = [(s["attempt"], s["decision"], sorted(s["members"])) for s in status["rounds"] if s["round"] == 2]
+    assert step2[0][1] == "abort" and step2[-1][1:] == ("apply", ["node0", "node1"]), step2
+    assert "chaos: holding outer step 2 up" in c.log("node2")
+    assert c.outer_records("node2")[12]["members"] == 3  # back in the run
+    assert_identical(c, ["node0", "node1", "node2"], range(12, 13))
+    assert_exactly_once(c, corpus)
+
+
 def test_a_node_that_is_stopped_announces_it_leaves(tmp_path, corpus):
     slow = ["--chaos.step_delay_s", "0.1"]
     with cluster(tmp_path, corpus, 3, steps=60) as c:

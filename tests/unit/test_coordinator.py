@@ -252,6 +252,7 @@ def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
     client = joined(server, tmp_path, "a")
     from elastic_mesh.control.store import CoordinatorStore
 
+    assert _ready(client, 1)["epoch"] == 1  # only an epoch's members use its keys (test_round_strikes.py)
     store = CoordinatorStore(client, "e1/r0/", timeout_s=5)
     store.set("k", b"\x00\x01value")
     assert store.add("n", 2) == 2 and store.add("n", 3) == 5
@@ -260,8 +261,11 @@ def test_rendezvous_store_needs_credentials_and_survives_restart(tmp_path):
     server = start_coordinator(tmp_path / "coord", port=port, config=config)
     try:
         assert store.get("k") == b"\x00\x01value" and store.check(["k"]) and not store.check(["missing"])
-        with pytest.raises(CoordinatorError, match="did not appear"):
+        with pytest.raises(CoordinatorError, match="epoch 1 was aborted"):  # by the restart: never completes
             CoordinatorStore(client, "e1/r0/", timeout_s=1.5).get("missing")
+        assert _ready(client, 1)["epoch"] == 2
+        with pytest.raises(CoordinatorError, match="did not appear"):
+            CoordinatorStore(client, "e2/r0/", timeout_s=1.5).get("missing")
     finally:
         server.stop()
 
