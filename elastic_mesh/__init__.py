@@ -29,6 +29,7 @@ _PUBLIC = {
     "CoordinatorError": "elastic_mesh.control.client",
     "TransferError": "elastic_mesh.transfer.chunks",
     "read_token": "elastic_mesh.control.token",
+    "JoinToken": "elastic_mesh.control.token",
     "CoordinatorConfig": "elastic_mesh.coordinator.config",
     "WorkLedger": "elastic_mesh.coordinator.leases",
     # versions published to many members (a swarm), and what one carries
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from elastic_mesh.control.http import JsonServer, Refused, Route, TokenCheck
     from elastic_mesh.control.service import ServiceLimits, printable
     from elastic_mesh.control.process_tree import kill_tree
-    from elastic_mesh.control.token import read_token
+    from elastic_mesh.control.token import JoinToken, read_token
     from elastic_mesh.coordinator.config import CoordinatorConfig
     from elastic_mesh.coordinator.leases import WorkLedger
     from elastic_mesh.coordinator.server import DASHBOARD_DIR

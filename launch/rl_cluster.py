@@ -17,7 +17,7 @@ from pathlib import Path
 
 from elastic_mesh.control.process_tree import kill_tree
 from elastic_mesh.coordinator.run import make_token
-from prime.rl.token_flags import ORCHESTRATOR_SERVICE
+from prime.rl.token_flags import DTYPE_ATTRIBUTE, ORCHESTRATOR_SERVICE
 from launch.cluster import REPO, child_env, wait_for
 
 WEEK_S = 7 * 86400
@@ -86,11 +86,13 @@ class RLCluster:
         self.procs[name] = proc
         return proc
 
-    def token(self, name: str, publish: bool = False, role: str = "worker", service: str = "") -> Path:
+    def token(self, name: str, publish: bool = False, role: str = "worker", service: str = "",
+              attributes: dict[str, str] | None = None) -> Path:
         """The token file of a role (made once per name, so a restarted process presents the same token)."""
         path = self.run_dir / f"{name}.token"
         if name not in self.tokens:
-            self.tokens[name] = make_token(self.state_dir, WEEK_S, role=role, publish=publish, service=service)
+            self.tokens[name] = make_token(self.state_dir, WEEK_S, role=role, publish=publish, service=service,
+                                           attributes=attributes)
             path.write_text(self.tokens[name])
         return path
 
@@ -133,9 +135,13 @@ class RLCluster:
                                *_overrides(self.trainer_sets)])
 
     def start_worker(self, name: str, module: str = "prime.rl.worker", extra: list[str] | None = None) -> None:
-        self.spawn(name, [sys.executable, "-m", module, "--token-file", str(self.token(name)),
+        args = [*self.worker_args, *(extra or [])]
+        # The worker's token admits it in the dtype it computes in (prime/rl/token_flags.py).
+        dtype = args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "float32"
+        token = self.token(name, attributes={DTYPE_ATTRIBUTE: dtype} if dtype != "float32" else None)
+        self.spawn(name, [sys.executable, "-m", module, "--token-file", str(token),
                           "--work-dir", str(self.run_dir / name), "--advertise-host", self.host(name),
-                          *self.worker_args, *(extra or [])])
+                          *args])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]

@@ -17,7 +17,7 @@ import time
 from types import SimpleNamespace
 
 from elastic_mesh.cli import CommandLine, Commands, Flag, Positional
-from elastic_mesh.control.token import ROLES, read_token
+from elastic_mesh.control.token import ROLES, check_attributes, read_token
 from elastic_mesh.coordinator.config import CoordinatorConfig
 from elastic_mesh.coordinator.run import (
     list_tokens,
@@ -33,6 +33,14 @@ def duration(text: str) -> float:
     if not match:
         raise ValueError(f"{text!r} is not a duration; write e.g. 90s, 30m, 24h or 7d")
     return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+def attribute_list(text: str) -> dict[str, str]:
+    """KEY=VALUE,... as a token's attributes (checked as create_token checks them)."""
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    if not all("=" in p for p in pairs):
+        raise ValueError(f"{text!r}: write attributes as KEY=VALUE, comma-separated (e.g. dtype=bfloat16)")
+    return check_attributes(dict(p.split("=", 1) for p in pairs))
 
 
 STATE_DIR = Flag("state-dir", "SQLite state and the run secret live here", required=True, metavar="DIR")
@@ -66,8 +74,13 @@ COMMANDS = Commands(PROG, "The coordinator of a prime run, and its join tokens."
                              "observer tokens", switch=True),
              Flag("service", "a service its holder offers the run (e.g. orchestrator, for an RL run's orchestrator): "
                              "its TLS certificate names it, and clients that expect the service accept no other",
-                  default="", metavar="NAME")],
-            examples=[f"{PROG} token create --state-dir coord/ --ttl 24h"]),
+                  default="", metavar="NAME"),
+             Flag("attributes", "what the run's application admits the holder as, signed into the token: "
+                                "comma-separated KEY=VALUE (prime's RL: dtype=bfloat16 for a worker computing in "
+                                "bfloat16; a worker token without it is a float32 worker)", type=attribute_list,
+                  default={}, metavar="KEY=VALUE,...")],
+            examples=[f"{PROG} token create --state-dir coord/ --ttl 24h",
+                      f"{PROG} token create --state-dir coord/ --role worker --attributes dtype=bfloat16"]),
         "revoke": CommandLine(
             f"{PROG} token revoke", "Revoke a token at once: refused from now on, and the nodes it admitted are "
                                     "dropped.", None, [STATE_DIR],
@@ -88,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if words[1] == "create":
                 text = make_token(args.state_dir, args.ttl, args.address, args.role, args.max_nodes,
-                                  args.publish, args.service)
+                                  args.publish, args.service, args.attributes)
                 token = read_token(text)
                 print(f"token {token.token_id}: role {token.role}, at most {token.max_nodes} live node(s), "
                       f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(token.expires_at))}"
                       + (", may publish broadcasts" if token.publish else "")
-                      + (f", offers the service {token.service}" if token.service else ""), file=sys.stderr)
+                      + (f", offers the service {token.service}" if token.service else "")
+                      + "".join(f", {k}={v}" for k, v in token.attributes.items()), file=sys.stderr)
                 print(text)
             elif words[1] == "revoke":
                 revoke_token(args.state_dir, args.token_id)

@@ -87,7 +87,8 @@ def start_coordinator(state_dir: str | Path, host: str = "127.0.0.1", port: int 
 
 
 def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, role: str = "node",
-               max_nodes: int = 1, publish: bool = False, service: str = "") -> str:
+               max_nodes: int = 1, publish: bool = False, service: str = "",
+               attributes: dict[str, str] | None = None) -> str:
     """A new join token of this run, recorded in its state (so it can be listed and revoked)."""
     state_dir = Path(state_dir)
     if not (state_dir / "secret").exists():
@@ -99,7 +100,8 @@ def make_token(state_dir: str | Path, ttl_s: float, address: str | None = None, 
         raise ValueError(f"the coordinator of {state_dir} has never started; start it, or pass --address HOST:PORT")
     mark = state_dir / TLS_MARK
     text = create_token(_secret(state_dir), address, run_id, ttl_s, role, max_nodes, publish,
-                        run_signer(state_dir).fingerprint, mark.read_text().strip() if mark.exists() else "", service)
+                        run_signer(state_dir).fingerprint, mark.read_text().strip() if mark.exists() else "", service,
+                        attributes)
     token = read_token(text)
     with state.transaction():
         state.put_token(token.token_id, token.role, token.max_nodes, token.expires_at)

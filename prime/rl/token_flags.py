@@ -5,11 +5,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from elastic_mesh import Flag
+from elastic_mesh import Flag, JoinToken
 
 # The service an RL run's orchestrator offers: its token names it (token create --service orchestrator), so its
 # TLS certificate does, and the trainer and workers accept no other member's certificate in its place.
 ORCHESTRATOR_SERVICE = "orchestrator"
+
+# A worker's compute dtype is its token's (token create --role worker --attributes dtype=bfloat16), not what
+# its rollouts claim: a float32 worker cannot label its rollouts bfloat16 to be held to bfloat16's looser limits.
+DTYPE_ATTRIBUTE = "dtype"
+
+
+def worker_dtype(token: JoinToken) -> str:
+    """The compute dtype a worker token admits its holder as (float32 where it names none)."""
+    return token.attributes.get(DTYPE_ATTRIBUTE, "float32")
+
 
 TOKEN_FLAGS = [
     Flag("token", "a run token (python -m elastic_mesh.coordinator token create)", metavar="TOKEN"),

@@ -61,6 +61,9 @@ class LocalVersions:
     def model(self, version: int):
         return self.models[version]
 
+    def allowed_dtypes(self) -> list[str] | None:
+        return list(self.thresholds.limits) if self.newest >= 0 else None
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -186,6 +189,23 @@ def test_malformed_submissions_evict_without_reaching_the_verifier(policy):
     body["completions"][0]["logprobs"] = ["nan"]
     with pytest.raises(Refused, match="malformed submission: logprobs"):
         orchestrator.submit("w", body)
+
+
+def test_the_dtype_is_the_tokens_not_the_submissions(policy):
+    """A float32 worker labelling its rollouts bfloat16 (to be held to bfloat16's looser limits: issue 51) is
+    evicted as malformed before the verifier runs; a worker admitted as a dtype the run was not calibrated
+    for gets no lease, told why (this policy was calibrated for float32 only)."""
+    orchestrator, versions, _ = _orchestrator(policy)
+    lease = orchestrator.lease("w", held=0, dtype="float32")
+    body = _work(orchestrator, versions, lease)
+    for entry in body["completions"]:
+        entry["compute_dtype"] = "bfloat16"
+    with pytest.raises(Refused, match="claim compute dtype bfloat16, but this worker's token admits it as a "
+                                      "float32 worker"):
+        orchestrator.submit("w", body, dtype="float32")
+    assert orchestrator.counters.of("w").verify_s == 0  # refused before any verification
+    with pytest.raises(Refused, match="admits a bfloat16 worker, but this run's policy was calibrated for float32"):
+        orchestrator.lease("bf16", held=0, dtype="bfloat16")
 
 
 def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(policy, tmp_path):

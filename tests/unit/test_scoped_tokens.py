@@ -109,3 +109,21 @@ def test_extra_nodes_on_one_token_gain_no_votes_at_commit(coordinator, tmp_path)
         stop.set()
     assert [a["majority_hash"] for a in answers] == ["good"] * 3
     assert [a["status"] for a in answers] == ["ok", "diverged", "diverged"]
+
+
+def test_a_worker_token_names_its_compute_dtype_and_a_worker_of_another_dtype_will_not_start(coordinator, tmp_path):
+    """token create --attributes dtype=bfloat16 (the real command line) signs the dtype into the token; a
+    worker started with another --dtype refuses to start, saying how to fix it, before it contacts anyone."""
+    made = subprocess.run([sys.executable, "-m", "elastic_mesh.coordinator", "token", "create", "--state-dir",
+                           str(tmp_path / "coord"), "--role", "worker", "--attributes", "dtype=bfloat16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and "dtype=bfloat16" in made.stderr, made.stderr
+    token = made.stdout.strip()
+    assert read_token(token).attributes == {"dtype": "bfloat16"}
+    bad = subprocess.run([sys.executable, "-m", "elastic_mesh.coordinator", "token", "create", "--state-dir",
+                          str(tmp_path / "coord"), "--attributes", "dtype"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+    from prime.rl.worker.config import WorkerConfig
+    from prime.rl.worker.worker import EXIT_REFUSED, InferenceWorker
+    assert InferenceWorker.join(WorkerConfig(dtype="float32"), token, tmp_path / "w") == EXIT_REFUSED

@@ -49,3 +49,21 @@ def test_foreign_run_learns_nothing():
 def test_garbage(garbage):
     with pytest.raises(TokenError, match="not a prime join token"):
         verify_token(SECRET, "run-a", garbage)
+
+
+def test_attributes_are_signed_bounded_and_read_back():
+    token = create_token(SECRET, "h:1", "run-a", ttl_s=60, role="worker", attributes={"dtype": "bfloat16"})
+    assert verify_token(SECRET, "run-a", token).attributes == {"dtype": "bfloat16"}
+    assert read_token(create_token(SECRET, "h:1", "run-a", ttl_s=60)).attributes == {}
+    # A holder that rewrites its attributes (float32 -> bfloat16) breaks the signature.
+    import base64
+    import json
+    prefix, body, signature = token.split(".")
+    fields = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    fields["attributes"] = {"dtype": "float32"}
+    forged = base64.urlsafe_b64encode(json.dumps(fields, sort_keys=True).encode()).rstrip(b"=").decode()
+    with pytest.raises(TokenError, match="forged or altered"):
+        verify_token(SECRET, "run-a", f"{prefix}.{forged}.{signature}")
+    for bad in ({"Dtype": "x"}, {"dtype": "a b"}, {"dtype": ""}, {f"k{i}": "v" for i in range(9)}, {"dtype": 1}):
+        with pytest.raises(ValueError):
+            create_token(SECRET, "h:1", "run-a", ttl_s=60, attributes=bad)

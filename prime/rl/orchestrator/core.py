@@ -97,7 +97,13 @@ class Orchestrator:
         return self.next_step - self.config.async_level
 
     # ---- leases --------------------------------------------------------------------------------------
-    def lease(self, worker: str, held: int) -> dict:
+    def lease(self, worker: str, held: int, dtype: str = "float32") -> dict:
+        """dtype: the worker's compute dtype, as its token admits it (prime/rl/token_flags.py)."""
+        allowed = self.versions.allowed_dtypes()
+        if allowed is not None and dtype not in allowed:
+            raise Refused(403, f"worker token {worker} admits a {printable(dtype)} worker, but this run's policy was "
+                               f"calibrated for {', '.join(allowed)} workers only; ask the operator for a token made "
+                               f"with --attributes dtype={allowed[0]} (and run the worker with --dtype {allowed[0]})")
         give_up = time.monotonic() + self.config.poll_s
         with self.changed:
             self.counters.of(worker).last_seen_s = self.elapsed()
@@ -213,7 +219,8 @@ class Orchestrator:
             raise Refused(403, f"worker token {worker} was evicted: {self.counters.evicted[worker]}")
 
     # ---- rollouts ------------------------------------------------------------------------------------
-    def submit(self, worker: str, body: dict) -> dict:
+    def submit(self, worker: str, body: dict, dtype: str = "float32") -> dict:
+        """dtype: the worker's compute dtype, as its token admits it: its rollouts must claim it."""
         arrived = time.monotonic()
         with self.lock:
             self.counters.of(worker).last_seen_s = self.elapsed()
@@ -227,19 +234,23 @@ class Orchestrator:
             # once (prime/rl/worker.py) must not be handed the prompts these rollouts are about to fill.
             self.checking[lease.lease_id] = lease
         try:
-            return self._check(worker, lease, body, arrived)
+            return self._check(worker, lease, body, arrived, dtype)
         finally:
             with self.changed:
                 self.checking.pop(lease.lease_id, None)
                 self.changed.notify_all()
 
-    def _check(self, worker: str, lease: Lease, body: dict, arrived: float) -> dict:
+    def _check(self, worker: str, lease: Lease, body: dict, arrived: float, dtype: str) -> dict:
         """Verifies a submission and keeps its groups, or drops it as stale, or evicts its worker."""
         expected = len(lease.prompts) * self.config.group_size
         try:
             completions = [completion_from_wire(entry) for entry in body["completions"]]
             if len(completions) != expected:
                 raise ValueError(f"{len(completions)} completions for a lease of {expected} requests")
+            claimed = sorted({c.compute_dtype for c in completions} - {dtype})
+            if claimed:  # a float32 worker claiming bfloat16 would be held to bfloat16's looser limits
+                raise ValueError(f"rollouts claim compute dtype {printable(claimed[0])}, but this worker's token "
+                                 f"admits it as a {dtype} worker")
         except MALFORMED as e:
             return self._evict(lease, expected, f"malformed submission: {e}")
         try:

@@ -25,7 +25,7 @@ from prime.rl.orchestrator.dashboard import PATH as DASHBOARD
 from prime.rl.orchestrator.evaluations import Evaluations
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.versions import FollowedVersions
-from prime.rl.token_flags import ORCHESTRATOR_SERVICE
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE, worker_dtype
 from prime.rl.transport.policy_files import POLICY_KIND, policy_broadcast_settings
 
 log = logging.getLogger("prime.rl.orchestrator")
@@ -150,11 +150,12 @@ class OrchestratorService:
         def lease(token, body: dict) -> dict:
             if token.role != "worker":
                 raise Refused(403, f"a {token.role} token cannot take rollout work; ask for a worker token")
-            return orchestrator.lease(token.token_id, int(body.get("held", -1)))
+            return orchestrator.lease(token.token_id, int(body.get("held", -1)), worker_dtype(token))
 
         small = 4 << 10  # a lease request, a give-back, a batch request: a few fields
         return {"/v1/rl/lease": Route(lease, small),
-                "/v1/rl/submit": Route(lambda t, b: orchestrator.submit(t.token_id, b), submission_limit(config)),
+                "/v1/rl/submit": Route(lambda t, b: orchestrator.submit(t.token_id, b, worker_dtype(t)),
+                                       submission_limit(config)),
                 "/v1/rl/give-back": Route(lambda t, b: orchestrator.give_back(t.token_id, b), small),
                 "/v1/rl/batch": Route(batch, small),
                 "/v1/rl/finish": Route(finish, small),

@@ -31,6 +31,9 @@ class VerifiedVersions(Protocol):
     def model(self, version: int) -> torch.nn.Module:
         """A version held now (KeyError otherwise)."""
 
+    def allowed_dtypes(self) -> list[str] | None:
+        """The worker compute dtypes the newest held version was calibrated for (None: none held yet)."""
+
     def tokenize(self, text: str) -> list[int]: ...
 
     def decode(self, tokens: list[int]) -> str: ...
@@ -60,6 +63,10 @@ class FollowedVersions:
 
     def model(self, version: int) -> torch.nn.Module:
         return self.follower.held(version).policy.model
+
+    def allowed_dtypes(self) -> list[str] | None:
+        newest = self.newest
+        return list(self.follower.held(newest).policy.thresholds.limits) if newest >= 0 else None
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch
 
-from elastic_mesh import BroadcastError, BroadcastMember, CoordinatorClient, CoordinatorError
+from elastic_mesh import BroadcastError, BroadcastMember, CoordinatorClient, CoordinatorError, read_token
 from prime.inference.engine import Completion, GenerationRequest
 from prime.inference.hf_engine import HFEngine
 from prime.inference.sampling import SamplingParams
-from prime.rl.token_flags import ORCHESTRATOR_SERVICE
+from prime.rl.token_flags import ORCHESTRATOR_SERVICE, worker_dtype
 from prime.rl.transport.policy_files import LoadedPolicy, POLICY_KIND, meta_of, policy_broadcast_settings
 from prime.rl.transport.weights import PolicyFollower
 from prime.rl.worker.clock import WorkerClock
@@ -68,6 +68,12 @@ class InferenceWorker:
         """Joins the broadcast, waits for the first policy version and holds it; the worker, or the exit
         code that says why it cannot take part."""
         torch.set_num_threads(config.threads)
+        admitted = worker_dtype(read_token(token))
+        if admitted != config.dtype:  # the orchestrator holds its rollouts to its token's dtype, whatever they claim
+            log.error("this worker computes in %s, but its token admits it as a %s worker: run it with --dtype %s, "
+                      "or ask the operator for a token made with --attributes dtype=%s", config.dtype, admitted,
+                      admitted, config.dtype)
+            return EXIT_REFUSED
         settings = policy_broadcast_settings(keep=2, advertise_host=advertise_host, port=port)
         try:
             member = BroadcastMember(token, POLICY_KIND, Path(work_dir) / "broadcast", settings)
