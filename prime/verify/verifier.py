@@ -110,6 +110,8 @@ class Verifier:
     def _format_problem(self, claim: Claim) -> str:
         completion, vocab = claim.completion, self.model.config.vocab_size
         tokens, settings = completion.tokens, self.thresholds.proof
+        if not claim.prompt:
+            return "empty prompt (nothing to condition on; the orchestrator refuses such tasks)"
         if not tokens:
             return "empty completion"
         if len(tokens) > claim.sampling.max_tokens:

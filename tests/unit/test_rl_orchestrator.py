@@ -208,6 +208,30 @@ def test_the_dtype_is_the_tokens_not_the_submissions(policy):
         orchestrator.lease("bf16", held=0, dtype="bfloat16")
 
 
+def test_empty_and_too_long_prompts_are_refused_up_front_and_the_verifier_answers_them(policy):
+    """Issue 51: an empty prompt made the verifier raise, and a prompt longer than the context minus
+    max_tokens got honest rollouts rejected. The orchestrator now never leases them (counted, logged), and
+    the verifier gives an empty prompt a verdict."""
+    from prime.inference.engine import Completion
+    from prime.rl.environments.base import Task
+    from prime.verify.verifier import Claim
+    orchestrator, versions, _ = _orchestrator(policy, prompts_per_lease=2)
+    context = versions.model(0).config.max_position_embeddings
+    usable = [Task("ok-1", "123", "321"), Task("ok-2", "78", "87")]
+    stream = iter([Task("empty", "", ""), Task("long", "1" * context, ""), usable[0],
+                   Task("also-long", "9" * (context - orchestrator.sampling.max_tokens + 1), ""), usable[1]])
+    orchestrator.prompts.tasks = stream
+    lease = orchestrator.lease("w", held=0)
+    assert [versions.decode(r["prompt"]) for r in lease["requests"][::4]] == ["123", "78"]
+    assert orchestrator.totals()["prompts_refused"] == 3 and orchestrator.prompts.drawn == 5
+    orchestrator.prompts.tasks = iter([Task(f"e{i}", "", "") for i in range(2000)])
+    with pytest.raises(Refused, match="all refused"):
+        orchestrator.lease("w", held=0)
+    verifier = versions.verifier(0)
+    [verdict] = verifier.verify([Claim([], 1, orchestrator.sampling, Completion([5], [-0.1], "length", b"", "float32"))])
+    assert not verdict.accepted and "empty prompt" in verdict.reason
+
+
 def test_a_restarted_orchestrator_continues_the_run_and_uses_no_prompt_twice(policy, tmp_path):
     import json
 

@@ -25,12 +25,10 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import threading
 import time
-from collections import deque
 from dataclasses import asdict
 
 import torch
@@ -40,7 +38,8 @@ from prime.inference.sampling import SamplingParams
 from prime.rl.environments.base import Environment
 from prime.rl.grpo import GRPOConfig, group_advantages
 from prime.rl.orchestrator.config import OrchestratorConfig
-from prime.rl.orchestrator.records import Counters, Group, Lease, Prompt, WorkerStats
+from prime.rl.orchestrator.prompts import PromptQueue
+from prime.rl.orchestrator.records import Counters, Group, Lease, WorkerStats
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import VerifiedVersions
@@ -60,13 +59,10 @@ class Orchestrator:
         self.store = store or RunStore(None)
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
         self.grpo = GRPOConfig(group_size=config.group_size, std_epsilon=config.std_epsilon)
-        self._tasks = env.tasks("train", config.seed)
-        self._drawn = 0  # tasks read from the stream
+        self.prompts = PromptQueue(env.tasks("train", config.seed), versions.tokenize, self._context, config.max_tokens)
         self._batched = 0  # prompts that entered a batch (filtered groups included)
-        self._numbers = itertools.count()
         self.start = 0  # how many times this run's orchestrator started before this one
         self._seeds = random.Random(f"{config.seed}-seeds")
-        self._returned: deque[Prompt] = deque()
         self.leases: dict[str, Lease] = {}
         self.checking: dict[str, Lease] = {}  # submitted, being verified: still counted as on their way
         self.ready: list[Group] = []
@@ -95,6 +91,10 @@ class Orchestrator:
     def oldest_usable(self) -> int:
         """The oldest version whose rollouts can still enter a batch."""
         return self.next_step - self.config.async_level
+
+    def _context(self) -> int | None:
+        """The policy's context length, once a version is held (prompts are drawn only then)."""
+        return getattr(self.versions.model(self.versions.newest).config, "max_position_embeddings", None)
 
     # ---- leases --------------------------------------------------------------------------------------
     def lease(self, worker: str, held: int, dtype: str = "float32") -> dict:
@@ -156,10 +156,10 @@ class Orchestrator:
 
     def _grant(self, worker: str, version: int) -> dict:
         count = min(self.config.prompts_per_lease, self._wanted(version))
-        prompts = [self._next_prompt() for _ in range(count)]
+        prompts = [self.prompts.next() for _ in range(count)]
         seeds = [[self._seeds.getrandbits(63) for _ in range(self.config.group_size)] for _ in prompts]
         now = time.monotonic()
-        lease = Lease(f"{worker}-{self.start}-{next(self._numbers)}", worker, version, prompts, seeds,
+        lease = Lease(f"{worker}-{self.start}-{next(self.prompts.numbers)}", worker, version, prompts, seeds,
                       now + self.config.lease_s, granted_at=now)
         self.leases[lease.lease_id] = lease
         self.counters.of(worker).leases += 1
@@ -167,16 +167,9 @@ class Orchestrator:
                 "sampling": self.sampling.model_dump(),
                 "requests": [{"prompt": p.tokens, "seed": s} for p, group in zip(prompts, seeds) for s in group]}
 
-    def _next_prompt(self) -> Prompt:
-        if self._returned:
-            return self._returned.popleft()
-        task = next(self._tasks)
-        self._drawn += 1
-        return Prompt(next(self._numbers), task, self.versions.tokenize(task.prompt))
-
     def _release(self, lease: Lease, why: str) -> None:
         self.leases.pop(lease.lease_id, None)
-        self._returned.extendleft(reversed(lease.prompts))
+        self.prompts.give_back(lease.prompts)
         log.info("lease %s of worker %s returned (%s): %d prompts back in the queue", lease.lease_id, lease.worker,
                  why, len(lease.prompts))
         self.changed.notify_all()
@@ -299,7 +292,7 @@ class Orchestrator:
         with self.changed:
             self.counters.rollouts_stale += rollouts
             self.counters.of(lease.worker).stale += rollouts
-            self._returned.extendleft(reversed(lease.prompts))
+            self.prompts.give_back(lease.prompts)
             self.changed.notify_all()
         newest = self.versions.newest
         log.info("lease %s of version %d came back stale (batches now need >= %d): %d rollouts dropped, prompts "
@@ -310,7 +303,7 @@ class Orchestrator:
     def _evict(self, lease: Lease, rollouts: int, why: str) -> dict:
         """Evicts the worker of `lease` (its rollouts refused) and refuses the request that brought them."""
         with self.changed:
-            self._returned.extendleft(reversed(lease.prompts))
+            self.prompts.give_back(lease.prompts)
             self._evict_worker(lease.worker, rollouts, why)
         raise Refused(403, f"evicted: {why}")
 
@@ -444,8 +437,8 @@ class Orchestrator:
         """What a restarted orchestrator needs (JSON); call with the lock held."""
         c = self.counters
         return {"start": self.start, "next_step": self.next_step, "batch_steps": sorted(self.batches),
-                "batches_kept": self.batches_kept, "drawn": self._drawn,
-                "batched": self._batched, "next_number": next(self._numbers), "elapsed_s": self.elapsed(),
+                "batches_kept": self.batches_kept, "drawn": self.prompts.drawn,
+                "batched": self._batched, "next_number": next(self.prompts.numbers), "elapsed_s": self.elapsed(),
                 "done": self.done,
                 "final_version": self.final_version, "last_batch_event": self.last_batch_event,
                 "counters": {**self.totals(), "evicted": dict(c.evicted),
@@ -459,24 +452,25 @@ class Orchestrator:
             self.batches = {int(step): batch for step, batch in state["batches"].items()}
             self.batches_kept = int(state.get("batches_kept", 2))
             self.used_numbers = {n for b in self.batches.values() for n in b["stats"]["prompt_numbers"]}
-            self._drawn, self._batched = int(state["drawn"]), int(state["batched"])
-            for _ in range(self._drawn):  # the stream is deterministic: read past what the last start drew
-                next(self._tasks)
-            self._numbers = itertools.count(int(state["next_number"]))
+            self._batched = int(state["batched"])
+            self.prompts.resume(int(state["drawn"]), int(state["next_number"]))  # the stream is deterministic
             self._seeds = random.Random(f"{self.config.seed}-seeds-{self.start}")  # no seed handed out twice
             self.started = time.monotonic() - float(state["elapsed_s"])
             self.done, self.final_version = bool(state["done"]), int(state["final_version"])
             self.last_batch_event = state.get("last_batch_event")
             saved = state["counters"]
-            self.counters = Counters(**{k: saved[k] for k in self.totals()}, evicted=dict(saved["evicted"]),
+            self.prompts.refused = int(saved.get("prompts_refused", 0))
+            self.counters = Counters(**{k: saved[k] for k in self.totals() if k != "prompts_refused"},
+                                     evicted=dict(saved["evicted"]),
                                      workers={w: WorkerStats(**s) for w, s in saved["workers"].items()})
-            return self._drawn - self._batched
+            return self.prompts.drawn - self._batched
 
     def totals(self) -> dict:
         c = self.counters
         return {"rollouts_accepted": c.rollouts_accepted, "rollouts_rejected": c.rollouts_rejected,
                 "rollouts_stale": c.rollouts_stale, "groups_filtered": c.groups_filtered,
-                "leases_expired": c.leases_expired, "workers_evicted": c.workers_evicted}
+                "leases_expired": c.leases_expired, "workers_evicted": c.workers_evicted,
+                "prompts_refused": self.prompts.refused}
 
     def leases_by_worker(self) -> dict[str, int]:
         with self.lock:
