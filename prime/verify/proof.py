@@ -19,6 +19,12 @@ evaluated elsewhere. Its sign and exponent usually differ from the verifier's (a
 but about 1 time in 50 they agree by chance, and its mantissa difference is noise of up to 1023 ULPs.
 So `ChunkComparison.trimmed` sets aside as many of the largest mantissa differences as the threshold
 allows positions outside the prover's set, less those already shown by their exponent.
+
+A run of near-equal values straddling the cut (a dimension that saturates after the final norm: seen with
+7 values within 3e-7 of each other) lets honest noise swap several of them across it, more than the
+threshold allows. So positions of the verifier's top k whose magnitude is within TIE_RELATIVE of its k-th
+are not compared at all: either side may have kept them. What that hides is values at the cut, the least
+telling of all; everything above it is compared as before.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class ProofBuilder:
         return [b"".join(next(encoded) for _ in row) for row in self._chunks]
 
 
+TIE_RELATIVE = 2.0 ** -14  # a magnitude this close (relative) to the k-th is at the cut: float32 noise is ~1e-7
 LARGEST_KEPT = 8  # more than any threshold on exponent mismatches calibrated so far for float32 (1)
 
 
@@ -127,10 +134,10 @@ LARGEST_KEPT = 8  # more than any threshold on exponent mismatches calibrated so
 class ChunkComparison:
     """How one chunk of recomputed states compares with the proof."""
 
-    exponent_mismatches: int  # of the verifier's top k: positions whose proof value has another sign or exponent
+    exponent_mismatches: int  # of the verifier's top k above the cut: positions whose proof value has another sign or exponent
     mantissa_mean: float  # mean |mantissa difference| in fp16 ULPs over the other positions
     mantissa_max: int
-    matched: int  # positions compared by mantissa (topk - exponent_mismatches)
+    matched: int  # positions compared by mantissa (topk - exponent_mismatches - those at the cut)
     mantissa_sum: int
     largest: tuple[int, ...] = ()  # the largest mantissa differences, largest first (LARGEST_KEPT of them)
 
@@ -157,10 +164,13 @@ def compare(chunk_proofs: list[bytes], states: torch.Tensor, settings: ProofSett
     moduli, coefficients = (t.to(states.device) for t in encoding.unpack(chunk_proofs, settings.topk))
     positions, own = top_values(states, settings.topk)
     claimed = encoding.evaluate(coefficients, positions % moduli[:, None])
-    sign_exponent_differs = (claimed >> 10) != (own >> 10)
-    mantissa = ((claimed & 0x3FF) - (own & 0x3FF)).abs().masked_fill(sign_exponent_differs, 0)
+    magnitudes = states.reshape(states.shape[0], -1).to(torch.float32).abs().gather(-1, positions)
+    cut = magnitudes.min(-1, keepdim=True).values
+    at_cut = magnitudes - cut <= cut * TIE_RELATIVE
+    sign_exponent_differs = ((claimed >> 10) != (own >> 10)) & ~at_cut
+    mantissa = ((claimed & 0x3FF) - (own & 0x3FF)).abs().masked_fill(sign_exponent_differs | at_cut, 0)
     mismatches = sign_exponent_differs.sum(-1)
-    matched = settings.topk - mismatches
+    matched = settings.topk - mismatches - at_cut.sum(-1)
     sums = mantissa.sum(-1)
     means = sums.to(torch.float64) / matched.clamp(min=1)
     largest = mantissa.topk(min(LARGEST_KEPT, settings.topk), dim=-1).values.tolist()
