@@ -182,6 +182,43 @@ def test_a_cheating_worker_is_evicted_and_none_of_its_rollouts_enters_a_batch(po
     assert [e["worker"] for e in events if e["event"] == "evicted"] == ["rogue"]
 
 
+def test_one_failed_rollout_is_dropped_with_its_lease_and_a_run_of_them_evicts(policy):
+    """Issue 51, evidence over time: a submission with one failed rollout among 8 (what an honest worker's
+    calibration tail looks like) is refused and its prompts requeued, the worker kept; a worker failing one
+    in 8 every time is evicted at its 7th such submission (CUSUM at the defaults), and one that fails 2 of 8
+    at its 2nd. None of those rollouts enters a batch."""
+    import dataclasses
+
+    def one_off(requests, completions, engine, bad=1):
+        return [dataclasses.replace(c, logprobs=[x - 0.01 for x in c.logprobs]) if i < bad else c
+                for i, c in enumerate(completions)]
+    orchestrator, versions, events = _orchestrator(policy, prompts_per_lease=2, async_level=8)
+    answers = []
+    for _ in range(7):
+        lease = orchestrator.lease("flaky", held=0)
+        try:
+            answers.append(orchestrator.submit("flaky", _work(orchestrator, versions, lease, tamper=one_off)))
+        except Refused as e:
+            answers.append({"status": "evicted", "detail": str(e)})
+    assert [a["status"] for a in answers] == ["rejected"] * 6 + ["evicted"], answers
+    assert answers[0]["evidence"] == pytest.approx(6.21 - 7 * 0.69, abs=0.02) and "logprobs" in answers[0]["detail"]
+    assert "evidence" in answers[-1]["detail"] and not orchestrator.ready
+    assert orchestrator.counters.of("flaky").rejected == 7 * 8
+    two = lambda requests, completions, engine: one_off(requests, completions, engine, bad=2)  # noqa: E731
+    answers = []
+    for _ in range(2):
+        lease = orchestrator.lease("worse", held=0)
+        try:
+            answers.append(orchestrator.submit("worse", _work(orchestrator, versions, lease, tamper=two))["status"])
+        except Refused:
+            answers.append("evicted")
+    assert answers == ["rejected", "evicted"]
+    # An honest worker meanwhile: accepted, its groups kept.
+    lease = orchestrator.lease("honest", held=0)
+    assert orchestrator.submit("honest", _work(orchestrator, versions, lease))["status"] == "accepted"
+    assert orchestrator.counters.of("honest").evidence == 0.0 and len(orchestrator.ready) == 2
+
+
 def test_malformed_submissions_evict_without_reaching_the_verifier(policy):
     orchestrator, versions, _ = _orchestrator(policy)
     lease = orchestrator.lease("w", held=0)

@@ -9,6 +9,7 @@ from elastic_mesh import ServiceLimits
 from prime.rl.environments import EnvConfig
 from prime.rl.environments.reverse import ReverseConfig
 from prime.rl.environments.terms import RewardTerms
+from prime.rl.orchestrator.evidence import RolloutEvidence
 from prime.rl.orchestrator.shares import LeaseShares
 
 
@@ -51,6 +52,8 @@ class OrchestratorConfig(BaseModel):
     verify_batch_size: int = Field(64, ge=1, description="Rollouts per verification prefill.")
     shares: LeaseShares = Field(default_factory=LeaseShares, description="How many leases one worker may hold "
                                 "at once, and when leases it never finishes evict it.")
+    evidence: RolloutEvidence = Field(default_factory=RolloutEvidence, description="When failed rollouts evict a "
+                                      "worker: one is dropped with its lease, a run of them evicts.")
     poll_s: float = Field(10.0, gt=0, description="Longest a lease or batch request waits before answering 'wait'.")
     service: ServiceLimits = Field(default_factory=ServiceLimits, description="What one client may take of the "
                                    "orchestrator's HTTP: connections per address and in all, time-outs, a token's "

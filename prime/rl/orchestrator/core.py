@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import threading
@@ -39,7 +40,7 @@ from prime.rl.environments.base import Environment
 from prime.rl.grpo import GRPOConfig, group_advantages
 from prime.rl.orchestrator.config import OrchestratorConfig
 from prime.rl.orchestrator.prompts import PromptQueue
-from prime.rl.orchestrator.records import Counters, Group, Lease, WorkerStats
+from prime.rl.orchestrator.records import Counters, Group, Lease, WorkerStats, batch_timing
 from prime.rl.orchestrator.run_store import RunStore
 from prime.rl.orchestrator.submission import MALFORMED, completion_from_wire
 from prime.rl.orchestrator.versions import VerifiedVersions
@@ -262,10 +263,15 @@ class Orchestrator:
         with self.lock:
             self.counters.of(worker).verify_s += verify_s
         rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
+        with self.lock:
+            score = self.config.evidence.weigh(self.counters.of(worker), len(rejected), expected - len(rejected))
         if rejected:  # a stale lease's rollouts too: garbage is punished wherever it is sent
             i, verdict = rejected[0]
-            return self._evict(lease, expected, f"{len(rejected)} of {expected} rollouts failed verification, e.g. "
-                                                f"#{i}: {verdict.reason}")
+            why = f"{len(rejected)} of {expected} rollouts failed verification, e.g. #{i}: {verdict.reason}"
+            if self.config.evidence.evicts(score):
+                return self._evict(lease, expected, f"{why} (evidence {score:.1f}, evicted at "
+                                                    f"{self.config.evidence.evict_at:g})")
+            return self._drop(lease, expected, why, self.counters.of(worker).evidence)
         if lease.version < self.oldest_usable:
             with self.lock:
                 self.counters.of(worker).finished += 1
@@ -299,6 +305,18 @@ class Orchestrator:
                  "requeued; worker %s told to fetch %d", lease.lease_id, lease.version, self.oldest_usable, rollouts,
                  lease.worker, newest)
         return {"status": "stale", "version": newest}
+
+    def _drop(self, lease: Lease, rollouts: int, why: str, score: float) -> dict:
+        """A submission with failed rollouts from a worker not (yet) evicted: all its rollouts are refused
+        (a group needs every sample), its prompts go back to the queue."""
+        with self.changed:
+            self.counters.rollouts_rejected += rollouts
+            self.counters.of(lease.worker).rejected += rollouts
+            self.prompts.give_back(lease.prompts)
+            self.changed.notify_all()
+        log.warning("lease %s of worker %s dropped: %s (evidence %.1f of %g)", lease.lease_id, lease.worker,
+                    printable(why[:300]), score, self.config.evidence.evict_at)
+        return {"status": "rejected", "detail": why[:500], "evidence": round(score, 2)}
 
     def _evict(self, lease: Lease, rollouts: int, why: str) -> dict:
         """Evicts the worker of `lease` (its rollouts refused) and refuses the request that brought them."""
@@ -387,7 +405,7 @@ class Orchestrator:
         staleness = [step - g.version for g in taken]
         stats = {"reward_mean": float(rewards.mean()), "groups": len(taken), "groups_kept": int(keep.sum()),
                  "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                 "prompt_numbers": [g.prompt.number for g in taken], **_timing(taken, asked_at)}
+                 "prompt_numbers": [g.prompt.number for g in taken], **batch_timing(taken, asked_at)}
         batch = {"status": "ok", "step": step, "temperature": self.config.temperature, "rows": rows, "stats": stats}
         self.batches[step] = batch
         for old in [s for s in self.batches if s <= step - self.batches_kept]:
@@ -474,25 +492,8 @@ class Orchestrator:
 
     def leases_by_worker(self) -> dict[str, int]:
         with self.lock:
-            held: dict[str, int] = {}
-            for lease in self.leases.values():
-                held[lease.worker] = held.get(lease.worker, 0) + 1
-            return held
+            return dict(collections.Counter(lease.worker for lease in self.leases.values()))
 
     def elapsed(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-
-def _timing(groups: list[Group], asked_at: float) -> dict:
-    """Where a batch's time went, in seconds (medians over its groups): lease handed out -> rollouts
-    arrived (the worker's generation and the network), arrived -> verified (upload, verification and
-    waiting for the version to verify against), verified -> in this batch; and from the trainer's first
-    request for it (made while it trains the batch before) to its build: 0 when it was ready first."""
-    now = time.monotonic()
-
-    def median(values: list[float]) -> float:
-        return round(sorted(values)[len(values) // 2], 4)
-    return {"leased_to_arrived_s": median([g.submitted_at - g.granted_at for g in groups]),
-            "arrived_to_verified_s": median([g.verified_at - g.submitted_at for g in groups]),
-            "verified_to_batch_s": median([now - g.verified_at for g in groups]),
-            "asked_to_built_s": round(max(0.0, now - asked_at), 4)}

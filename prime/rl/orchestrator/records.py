@@ -3,6 +3,7 @@ rollouts, and each worker token's record (counters the dashboard and a restart r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from prime.inference.engine import Completion
@@ -54,6 +55,7 @@ class WorkerStats:
     finished: int = 0     # leases whose rollouts were all verified
     verify_s: float = 0.0  # the orchestrator's time spent verifying its rollouts
     last_seen_s: float = 0.0  # run time of its last lease or submission
+    evidence: float = 0.0  # its failed rollouts' weight against it (prime/rl/orchestrator/evidence.py)
 
 
 @dataclass
@@ -69,3 +71,18 @@ class Counters:
 
     def of(self, worker: str) -> WorkerStats:
         return self.workers.setdefault(worker, WorkerStats())
+
+
+def batch_timing(groups: list[Group], asked_at: float) -> dict:
+    """Where a batch's time went, in seconds (medians over its groups): lease handed out -> rollouts
+    arrived (the worker's generation and the network), arrived -> verified (upload, verification and
+    waiting for the version to verify against), verified -> in this batch; and from the trainer's first
+    request for it (made while it trains the batch before) to its build: 0 when it was ready first."""
+    now = time.monotonic()
+
+    def median(values: list[float]) -> float:
+        return round(sorted(values)[len(values) // 2], 4)
+    return {"leased_to_arrived_s": median([g.submitted_at - g.granted_at for g in groups]),
+            "arrived_to_verified_s": median([g.verified_at - g.submitted_at for g in groups]),
+            "verified_to_batch_s": median([now - g.verified_at for g in groups]),
+            "asked_to_built_s": round(max(0.0, now - asked_at), 4)}

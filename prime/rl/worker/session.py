@@ -120,6 +120,9 @@ class Submitter:
             return exit_code(e, "submit")
         if result.get("status") == "accepted":
             self.stats.accepted(rollouts)
+        elif result.get("status") == "rejected":  # an honest worker sees this about once in a thousand rollouts
+            log.warning("lease %s: refused, %s (evidence against this worker %s; it is evicted at the orchestrator's "
+                        "limit)", lease, str(result.get("detail", ""))[:300], result.get("evidence"))
         else:
             log.info("lease %s: %s", lease, result.get("status"))
         return None
