@@ -95,13 +95,14 @@ def generate_claims(model, requests: list[GenerationRequest], batch_size: int, t
 
 def measure(reference, claims: list[Claim], proof: ProofSettings, verify_batch: int) -> HonestMaxima:
     """The largest deviation of these (honest) claims from a float32 recomputation, per statistic."""
-    mismatches, chunk_mean, rollout_mean, logit, logprob = 0, 0.0, 0.0, 0.0, 0.0
+    mismatches, chunk_mean, rollout_mean, logit, logprob, deviating, compared = 0, 0.0, 0.0, 0.0, 0.0, 0, 0
     for start in range(0, len(claims), verify_batch):
         batch = claims[start:start + verify_batch]
         for claim, (logits, chunks) in zip(batch, recompute(reference, batch, proof)):
             mismatches = max(mismatches, *(c.exponent_mismatches for c in chunks))
             chunk_mean = max(chunk_mean, *(c.mantissa_mean for c in chunks))
             rollout_mean = max(rollout_mean, sum(c.mantissa_sum for c in chunks) / max(1, sum(c.matched for c in chunks)))
+            deviating, compared = deviating + sum(c.deviates for c in chunks), compared + len(chunks)
             completion, logits = claim.completion, logits.cpu()
             scale = logit_scale(logits)  # float32 rounding grows with the logits' magnitude
             logit = max(logit, float(((completion.logits - logits).abs() / scale[:, None]).max()))
@@ -110,7 +111,10 @@ def measure(reference, claims: list[Claim], proof: ProofSettings, verify_batch: 
                 -1, torch.tensor(completion.tokens)[:, None])[:, 0]
             logprob = max(logprob, temperature * float(((torch.tensor(completion.logprobs) - recomputed).abs() / scale).max()))
     return HonestMaxima(exponent_mismatches=mismatches, mantissa_mean=chunk_mean, rollout_mantissa_mean=rollout_mean,
-                        logit_noise=logit, logprob_noise=logprob)
+                        logit_noise=logit, logprob_noise=logprob, deviating_chunks=deviating / max(1, compared))
+
+
+MIN_DEVIATION_RATE = 0.02
 
 
 def limits_from(maxima: HonestMaxima, margin: float, proof: ProofSettings) -> Limits:
@@ -125,6 +129,9 @@ def limits_from(maxima: HonestMaxima, margin: float, proof: ProofSettings) -> Li
         rollout_mantissa_mean=margin * maxima.rollout_mantissa_mean + 1 / proof.topk,
         logit_noise=margin * maxima.logit_noise + rounding,
         logprob_noise=margin * maxima.logprob_noise + 2 * rounding,
+        # A share, not a maximum: the margin over the pooled share, and never under 2% (a calibration of a
+        # few hundred rollouts that saw none still allows some).
+        deviation_rate=min(1.0, max(margin * maxima.deviating_chunks, MIN_DEVIATION_RATE)),
     )
 
 
@@ -138,6 +145,7 @@ def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_size
     eos_id_of(reference)  # fails early with a clear message if the model names no EOS
     conditions = [Condition(d, t, b) for d, t, b in itertools.product(dtypes, threads, batch_sizes)]
     measured: dict[str, list[HonestMaxima]] = {dtype: [] for dtype in dtypes}
+    weights: dict[str, list[int]] = {dtype: [] for dtype in dtypes}  # chunks measured in each condition
     chunks = tokens = 0
     for index, condition in enumerate(tqdm(conditions, desc="calibrating", unit="condition")):
         worker = reference if condition.dtype == "float32" else load_hf_policy(model_dir, DTYPES[condition.dtype], device)
@@ -148,9 +156,16 @@ def calibrate(model_dir: Path, dtypes: list[str], threads: list[int], batch_size
         maxima = measure(reference, claims, proof, verify_batch)
         tqdm.write(f"{condition}: {len(claims)} rollouts, honest maxima {maxima.model_dump()}")
         measured[condition.dtype].append(maxima)
-        chunks += sum(proof.chunks_for(len(c.completion.tokens)) for c in claims)
+        weights[condition.dtype].append(sum(proof.chunks_for(len(c.completion.tokens)) for c in claims))
+        chunks += weights[condition.dtype][-1]
         tokens += sum(len(c.completion.tokens) for c in claims)
-    worst = {dtype: HonestMaxima(**{field: max(getattr(m, field) for m in runs) for field in HonestMaxima.model_fields})
+    # The largest of each deviation; but the share of deviating chunks pooled over every condition: one
+    # condition's share of a hundred chunks is mostly sampling noise, and the test it feeds
+    # (prime/rl/orchestrator/evidence.py) compares a worker's share over hundreds.
+    worst = {dtype: HonestMaxima(**{field: max(getattr(m, field) for m in runs) for field in HonestMaxima.model_fields
+                                    if field != "deviating_chunks"},
+                                 deviating_chunks=sum(m.deviating_chunks * n for m, n in zip(runs, weights[dtype]))
+                                 / max(1, sum(weights[dtype])))
              for dtype, runs in measured.items()}
     record = Calibration(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,

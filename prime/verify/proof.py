@@ -141,6 +141,12 @@ class ChunkComparison:
     mantissa_sum: int
     largest: tuple[int, ...] = ()  # the largest mantissa differences, largest first (LARGEST_KEPT of them)
 
+    @property
+    def deviates(self) -> bool:
+        """Whether any compared position differs at all: rare for an honest float32 worker, the rule for
+        slightly wrong weights (what the per-worker evidence counts over time)."""
+        return self.exponent_mismatches > 0 or self.mantissa_sum > 0
+
     def trimmed(self, unmatched_allowed: int) -> tuple[int, int]:
         """(positions compared, their summed mantissa difference) once up to `unmatched_allowed` positions
         are taken as outside the prover's top k: those with another sign or exponent first, then the

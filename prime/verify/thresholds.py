@@ -32,6 +32,9 @@ class HonestMaxima(BaseModel):
     rollout_mantissa_mean: float = Field(ge=0)
     logit_noise: float = Field(ge=0)
     logprob_noise: float = Field(ge=0)
+    deviating_chunks: float = Field(0.0, ge=0, le=1, description="The share of honest chunk proofs that differ "
+                                    "from the recomputation at all (ChunkComparison.deviates); over all conditions "
+                                    "together, not the largest.")
 
 
 class Limits(BaseModel):
@@ -51,6 +54,10 @@ class Limits(BaseModel):
                                "between the claimed token and the seed's pick.")
     logprob_noise: float = Field(gt=0, description="Bound on |reported - recomputed logprob| at temperature 1, per "
                                  "unit of the position's largest |logit| (divided by T at other temperatures).")
+    deviation_rate: float | None = Field(None, gt=0, le=1, description="Bound on the share of an honest worker's "
+                                         "chunk proofs that differ at all: the orchestrator tests each worker's own "
+                                         "share against it over time (prime/rl/orchestrator/evidence.py). None: thresholds "
+                                         "calibrated before it existed; no such test.")
 
 
 class Calibration(BaseModel):

@@ -260,11 +260,13 @@ class Orchestrator:
         started = time.perf_counter()
         verdicts = verifier.verify(claims)
         verify_s = time.perf_counter() - started
-        with self.lock:
-            self.counters.of(worker).verify_s += verify_s
         rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
         with self.lock:
-            score = self.config.evidence.weigh(self.counters.of(worker), len(rejected), expected - len(rejected))
+            self.counters.of(worker).verify_s += verify_s
+            score, drifted = self.config.evidence.judge(self.counters.of(worker), verdicts,
+                                                        verifier.thresholds.limits[dtype].deviation_rate)
+        if drifted:
+            return self._evict(lease, expected, drifted)
         if rejected:  # a stale lease's rollouts too: garbage is punished wherever it is sent
             i, verdict = rejected[0]
             why = f"{len(rejected)} of {expected} rollouts failed verification, e.g. #{i}: {verdict.reason}"
@@ -307,8 +309,7 @@ class Orchestrator:
         return {"status": "stale", "version": newest}
 
     def _drop(self, lease: Lease, rollouts: int, why: str, score: float) -> dict:
-        """A submission with failed rollouts from a worker not (yet) evicted: all its rollouts are refused
-        (a group needs every sample), its prompts go back to the queue."""
+        """Failed rollouts, their worker kept: all the lease's are refused (a group needs every sample)."""
         with self.changed:
             self.counters.rollouts_rejected += rollouts
             self.counters.of(lease.worker).rejected += rollouts

@@ -14,6 +14,16 @@ of 8 does it), one honest false reject among passes costs nothing lasting, and a
 a fraction of its rollouts is evicted when that fraction is above ~10% (below, its failed rollouts are
 simply dropped: they never enter a batch). Malformed submissions evict at once: no honest worker sends
 one.
+
+Drift: a systematic bias too small to fail one rollout (weights one tiny step stale, a slightly
+different kernel) still shows in how often a passed rollout's proof differs from the recomputation at
+all. Calibration bounds that share for honest workers of each dtype (`Limits.deviation_rate`: 2% at
+least, the margin over the worst condition); a second CUSUM tests the worker's own share against it,
+tuned to a cheater at `drift_ratio` times the bound, and evicts at the same `evict_at`. Measured on the
+tiny policy: honest rollouts deviate 4% of the time, weights one AdamW step at lr 3e-8 stale 38% (7 of
+16 of those pass one by one), so they are evicted after ~45 rollouts. Where honest rollouts mostly
+deviate anyway (bfloat16 workers: the bound is over `drift_above`), this test is off: it would need a
+statistic of the deviation's size.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prime.rl.orchestrator.records import WorkerStats
+from prime.verify.verifier import Verdict
 
 
 class RolloutEvidence(BaseModel):
@@ -36,6 +47,11 @@ class RolloutEvidence(BaseModel):
                                      "tuned to catch quickest.")
     evict_at: float = Field(13.8, gt=0, description="The score (log-likelihood ratio, log 1/alpha) at which a "
                             "worker is evicted (below log(cheat/honest rate): on the first failed rollout).")
+
+    drift_ratio: float = Field(4.0, gt=1, description="The drift test is tuned to a worker whose passed rollouts "
+                               "deviate this many times as often as the honest bound (Limits.deviation_rate).")
+    drift_above: float = Field(0.25, gt=0, le=1, description="An honest bound above this share turns the drift test off "
+                               "for that dtype (bfloat16 workers deviate nearly always).")
 
     @model_validator(mode="after")
     def _ordered(self) -> "RolloutEvidence":
@@ -54,3 +70,26 @@ class RolloutEvidence(BaseModel):
 
     def evicts(self, score: float) -> bool:
         return score >= self.evict_at
+
+    def judge(self, stats: WorkerStats, verdicts: list[Verdict], honest_rate: float | None) -> tuple[float, str]:
+        """Weighs a submission's verdicts: (the failure score's peak, why its drift evicts the worker or '')."""
+        failed = sum(not v.accepted for v in verdicts)
+        passed = [c for v in verdicts if v.accepted for c in v.chunks]
+        deviating = sum(c.deviates for c in passed)
+        score = self.weigh(stats, failed, len(verdicts) - failed)
+        drift = self.weigh_drift(stats, deviating, len(passed) - deviating, honest_rate)
+        if not self.evicts(drift):
+            return score, ""
+        return score, (f"its passed rollouts' proofs differ from the recomputation too often ({stats.deviating} of "
+                       f"{stats.compared} chunks; honest bound {honest_rate:.1%}, drift evidence {drift:.1f})")
+
+    def weigh_drift(self, stats: WorkerStats, deviating: int, clean: int, honest_rate: float | None) -> float:
+        """Adds passed rollouts' chunks to the worker's drift score (deviating first); its peak. 0 when the
+        dtype's thresholds bound no share, or too high a one for the test to tell anything."""
+        stats.deviating, stats.compared = stats.deviating + deviating, stats.compared + deviating + clean
+        if honest_rate is None or honest_rate > self.drift_above:
+            return 0.0
+        p0, p1 = honest_rate, min(0.9, self.drift_ratio * honest_rate)
+        score = stats.drift + deviating * math.log(p1 / p0)
+        stats.drift = max(0.0, score + clean * math.log((1 - p1) / (1 - p0)))
+        return max(stats.drift, score)

@@ -56,6 +56,9 @@ class WorkerStats:
     verify_s: float = 0.0  # the orchestrator's time spent verifying its rollouts
     last_seen_s: float = 0.0  # run time of its last lease or submission
     evidence: float = 0.0  # its failed rollouts' weight against it (prime/rl/orchestrator/evidence.py)
+    drift: float = 0.0  # its passed rollouts' deviating chunks' weight against it (the same)
+    deviating: int = 0  # chunks of its passed rollouts whose proof differed from the recomputation at all
+    compared: int = 0  # chunks of its passed rollouts
 
 
 @dataclass
