@@ -8,11 +8,13 @@ Measured side by side in one run:
 - verification (one float32 prefill, batch 8) as a fraction of generating those same rollouts;
 - honest rollouts under varied batch sizes, thread counts, prompt lengths and sampling: false rejects;
 - each attack of prime.testing.toploc_attacks: rollouts rejected by the check that names it;
-- how small a weight update the activation check still sees (v-1 claimed as v, one AdamW step at lr).
+- how small a weight update the activation check still sees (v-1 claimed as v, one AdamW step at lr);
+- then, over time (launch/bench/toploc_workers.py): per worker dtype, the rollouts each attack makes before
+  the orchestrator's evidence evicts its worker, and honest evictions; the last line is that part's.
 
 Thresholds come from `prime.verify.calibrate`, run here first on a copy of the policy.
 
-    python launch/bench/toploc.py [--policy DIR] [--rollouts 64] [--lr 1e-5]
+    python launch/bench/toploc.py [--policy DIR] [--rollouts 64] [--lr 1e-5] [--honest 2000]
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="HF policy directory (default: the built-in tiny trained policy, built once)")
     parser.add_argument("--rollouts", type=int, default=64, help="rollouts per completion length for the timing (default 64)")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW lr of the step from v-1 to v (default 1e-5)")
+    parser.add_argument("--honest", type=int, default=2000, help="honest rollouts per dtype in the part over time "
+                                                                 "(default 2000; 0: skip that part)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"toploc: proof {thresholds.proof.chunk_bytes} B/32 tok, build overhead {100 * build_share:.2f}%, "
           f"verify/generate {verify_ratio:.3f}, false rejects {len(false_rejects)}/{chunks}, "
           f"attacks detected {detected}/{len(ATTACKS)}")
+    if args.honest:
+        from launch.bench import toploc_workers
+        return toploc_workers.main(["--honest", str(args.honest)])
     return 0
 
 
