@@ -49,20 +49,20 @@ def claimed_as(claims: list[Claim], dtype: str) -> list[Claim]:
     return [replace(c, completion=replace(c.completion, compute_dtype=dtype)) for c in claims]
 
 
-def rollouts_to_eviction(evidence: RolloutEvidence, verdicts: list, bound: float | None) -> int | None:
+def rollouts_to_eviction(evidence: RolloutEvidence, verdicts: list, bound: float | None, dtype: str) -> int | None:
     stats = WorkerStats()
     for start in range(0, len(verdicts), SUBMISSION):
-        score, drifted = evidence.judge(stats, verdicts[start:start + SUBMISSION], bound)
+        score, drifted = evidence.judge(stats, verdicts[start:start + SUBMISSION], bound, dtype)
         stats.verified += sum(v.accepted for v in verdicts[start:start + SUBMISSION])
         if drifted or evidence.evicts(score):
             return min(len(verdicts), start + SUBMISSION)
     return None
 
 
-def honest_evictions(evidence: RolloutEvidence, verdicts: list, bound: float | None) -> int:
+def honest_evictions(evidence: RolloutEvidence, verdicts: list, bound: float | None, dtype: str) -> int:
     evictions, stats = 0, WorkerStats()
     for start in range(0, len(verdicts), SUBMISSION):
-        score, drifted = evidence.judge(stats, verdicts[start:start + SUBMISSION], bound)
+        score, drifted = evidence.judge(stats, verdicts[start:start + SUBMISSION], bound, dtype)
         if drifted or evidence.evicts(score):
             evictions, stats = evictions + 1, WorkerStats()
     return evictions
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # a bfloat16 worker claiming float32 is refused as malformed (its token says bfloat16)
                 forged = claimed_as([c for ctx in contexts for c in attack.forge(ctx)], dtype)[:WITHIN]
                 verdicts = verifier.verify(forged)
-                at = rollouts_to_eviction(evidence, verdicts, bound)
+                at = rollouts_to_eviction(evidence, verdicts, bound, dtype)
                 evicted_at.append(at)
                 print(f"  {attack.name:48s} {sum(v.accepted for v in verdicts):>7d}/{len(verdicts):<8d} "
                       f"{at if at is not None else f'not within {len(verdicts)}'}")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             rejected = sum(not v.accepted for v in verdicts)
             chunks = sum(len(v.chunks) for v in verdicts)
             differing = sum(c.deviates for v in verdicts for c in v.chunks)
-            evictions = honest_evictions(evidence, verdicts, bound)
+            evictions = honest_evictions(evidence, verdicts, bound, dtype)
             honest_total, honest_evicted = honest_total + len(claims), honest_evicted + evictions
             print(f"  honest: {len(claims)} rollouts, {rejected} rejected one by one ({rejected / len(claims):.2%}), "
                   f"{differing} of {chunks} chunks differ ({differing / max(1, chunks):.2%}; bound "

@@ -264,7 +264,7 @@ class Orchestrator:
         with self.lock:
             self.counters.of(worker).verify_s += verify_s
             score, drifted = self.config.evidence.judge(self.counters.of(worker), verdicts,
-                                                        verifier.thresholds.limits[dtype].deviation_rate)
+                                                        verifier.thresholds.limits[dtype].deviation_rate, dtype)
         if drifted:
             return self._evict(lease, expected, drifted)
         if rejected:  # a stale lease's rollouts too: garbage is punished wherever it is sent

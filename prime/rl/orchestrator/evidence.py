@@ -4,7 +4,7 @@ An honest worker's rollout fails verification now and then (calibration tails, a
 did not foresee: 1 honest chunk in ~3,300 once evicted a float32 worker here), so one failed rollout is
 dropped with its lease, not a reason to evict. Each verified rollout moves the worker's score by the
 log-likelihood ratio of "cheater" (a rollout fails with probability `cheat_reject_rate`) against
-"honest" (`honest_reject_rate`), and the score is kept at or above 0 (a CUSUM, Page's test): a failed
+"honest" (`honest_reject_rate` of the worker's dtype: 1 in 1000 for float32, 1 in 100 for bfloat16), and the score is kept at or above 0 (a CUSUM, Page's test): a failed
 rollout adds log(p1/p0) (6.2 at the defaults), a passed one log((1-p1)/(1-p0)) (-0.69). The worker is
 evicted once the score reaches `evict_at` (log 1/alpha: 13.8 for alpha 1e-6, the chance an honest
 worker at p0 ever crosses it over a run's worth of rollouts is of that order).
@@ -33,6 +33,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prime.rl.orchestrator.records import WorkerStats
+from prime.verify.thresholds import ComputeDtype
 from prime.verify.verifier import Verdict
 
 
@@ -41,8 +42,10 @@ class RolloutEvidence(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    honest_reject_rate: float = Field(1e-3, gt=0, lt=1, description="The rate at which an honest worker's rollouts "
-                                      "fail verification, as assumed by the test (measured: 0 of 302 rollouts).")
+    honest_reject_rate: dict[ComputeDtype, float] = Field(
+        default_factory=lambda: {"float32": 1e-3, "bfloat16": 1e-2},
+        description="Per worker compute dtype, the rate at which an honest worker's rollouts fail verification, as "
+                    "the test assumes (measured, toploc_workers.py: float32 0 of 2000, bfloat16 6 of 2000).")
     cheat_reject_rate: float = Field(0.5, gt=0, lt=1, description="The failure rate of the cheater the test is "
                                      "tuned to catch quickest.")
     evict_at: float = Field(13.8, gt=0, description="The score (log-likelihood ratio, log 1/alpha) at which a "
@@ -55,15 +58,16 @@ class RolloutEvidence(BaseModel):
 
     @model_validator(mode="after")
     def _ordered(self) -> "RolloutEvidence":
-        if self.cheat_reject_rate <= self.honest_reject_rate:
-            raise ValueError(f"cheat_reject_rate ({self.cheat_reject_rate}) must be above honest_reject_rate "
-                             f"({self.honest_reject_rate})")
+        for dtype, rate in self.honest_reject_rate.items():
+            if not 0 < rate < self.cheat_reject_rate:
+                raise ValueError(f"honest_reject_rate of {dtype} ({rate}) must be above 0 and below "
+                                 f"cheat_reject_rate ({self.cheat_reject_rate})")
         return self
 
-    def weigh(self, stats: WorkerStats, failed: int, passed: int) -> float:
+    def weigh(self, stats: WorkerStats, failed: int, passed: int, dtype: str = "float32") -> float:
         """Adds a submission's verdicts to the worker's score (failed rollouts first: a submission that
         mixes them is judged as harshly as it can be); its score now."""
-        p0, p1 = self.honest_reject_rate, self.cheat_reject_rate
+        p0, p1 = self.honest_reject_rate.get(dtype, max(self.honest_reject_rate.values())), self.cheat_reject_rate
         score = stats.evidence + failed * math.log(p1 / p0)
         stats.evidence = max(0.0, score + passed * math.log((1 - p1) / (1 - p0)))
         return max(stats.evidence, score)
@@ -71,12 +75,14 @@ class RolloutEvidence(BaseModel):
     def evicts(self, score: float) -> bool:
         return score >= self.evict_at
 
-    def judge(self, stats: WorkerStats, verdicts: list[Verdict], honest_rate: float | None) -> tuple[float, str]:
-        """Weighs a submission's verdicts: (the failure score's peak, why its drift evicts the worker or '')."""
+    def judge(self, stats: WorkerStats, verdicts: list[Verdict], honest_rate: float | None,
+              dtype: str = "float32") -> tuple[float, str]:
+        """Weighs a submission's verdicts (`honest_rate`: the dtype's Limits.deviation_rate): (the failure
+        score's peak, why its drift evicts the worker or '')."""
         failed = sum(not v.accepted for v in verdicts)
         passed = [c for v in verdicts if v.accepted for c in v.chunks]
         deviating = sum(c.deviates for c in passed)
-        score = self.weigh(stats, failed, len(verdicts) - failed)
+        score = self.weigh(stats, failed, len(verdicts) - failed, dtype)
         drift = self.weigh_drift(stats, deviating, len(passed) - deviating, honest_rate)
         if not self.evicts(drift):
             return score, ""
