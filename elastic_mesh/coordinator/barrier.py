@@ -353,7 +353,11 @@ class RoundBarrier:
             waiting = [nid for nid in members if nid not in votes and self.members.is_live(nid)]
             if votes and waiting and all(v["ok"] for v in votes.values()):
                 since = now - max(v["at"] for v in votes.values())
-                if since >= self.config.vote_grace_s:
+                # A member behind a slow link may still be taking the last of the transfer the others
+                # finished: it gets as long again as their transfer took, if that is longer than the grace.
+                took = max((v["allreduce_s"] for v in votes.values() if isinstance(v["allreduce_s"], (int, float))),
+                           default=0.0)
+                if since >= max(self.config.vote_grace_s, took):
                     for nid in waiting:
                         late.setdefault(nid, ("silent", f"no vote {since:.0f} s after the {len(votes)} other "
                                                         f"member(s) voted ok on round {current.round}"))

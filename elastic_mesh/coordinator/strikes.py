@@ -7,7 +7,8 @@ Only the coordinator's own evidence counts, never another member's word:
   transfer) while others did, for `show_up_grace_s` after the attempt opened (an honest member says so
   within a second of its go);
 - silent: every other member voted ok (so the transfer, which needs all of them, completed), and this
-  one has not voted `vote_grace_s` later (an honest member votes right after the transfer);
+  one has not voted `vote_grace_s` later, or as long as their transfer took if that is longer (an
+  honest member votes right after the transfer; one behind a slow link may finish it last);
 - work report: the member's vote reports work it does not hold (an honest member reports only what it
   leased), which would otherwise leave its vote missing and the attempt waiting.
 Each costs the others one attempt at most: the attempt is aborted at once and retried without it.

@@ -95,8 +95,13 @@ def test_a_no_show_costs_one_attempt_and_a_silent_member_another_then_its_token_
                       lambda: _ready(rogue, 2))
     assert {p["world_size"] for p in plans} == {3}
     started = time.monotonic()
-    assert _together(lambda: _vote(a, plans[0]), lambda: _vote(b, plans[1])) == ["abort", "abort"]
-    assert time.monotonic() - started < 6
+
+    def vote_after_a_transfer_of(client, plan, seconds):  # a slow-linked member may finish that much later
+        return client.long_poll("/v1/vote", {"round": plan["round"], "attempt": plan["attempt"], "ok": True,
+                                             "allreduce_s": seconds}, lambda answer: "decision" in answer, 30)["decision"]
+    assert _together(lambda: vote_after_a_transfer_of(a, plans[0], 2.5),
+                     lambda: vote_after_a_transfer_of(b, plans[1], 2.5)) == ["abort", "abort"]
+    assert 2.5 <= time.monotonic() - started < 8
     status = a.get_status()
     assert [(s["node"], s["kind"]) for s in status["strikes"]] == [("rogue", "no-show"), ("rogue", "silent")]
     assert {n["name"]: n["state"] for n in status["nodes"]}["rogue"] == "evicted"  # 2 strikes: banned
