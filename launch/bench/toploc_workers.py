@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             contexts = []
             for k in range(args.contexts):
                 prompts = corpus_prompts(tokenize, 16, seed=77 + k)
-                requests = [GenerationRequest(p, seed=9000 + 100 * k + i, sampling=sampling) for i, p in enumerate(prompts)]
+                requests = [GenerationRequest(p, seed=9000 + 100 * k + i, sampling=sampling)
+                            for i, p in enumerate(prompts)]
                 honest = generate_claims(worker_model, requests, 16, 1, thresholds.proof, eos_id=eos_id)
                 contexts.append(AttackContext(worker_model, worker_previous, claimed_as(honest, dtype),
                                               thresholds.proof, eos_id))

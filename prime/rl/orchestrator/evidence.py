@@ -4,26 +4,26 @@ An honest worker's rollout fails verification now and then (calibration tails, a
 did not foresee: 1 honest chunk in ~3,300 once evicted a float32 worker here), so one failed rollout is
 dropped with its lease, not a reason to evict. Each verified rollout moves the worker's score by the
 log-likelihood ratio of "cheater" (a rollout fails with probability `cheat_reject_rate`) against
-"honest" (`honest_reject_rate` of the worker's dtype: 1 in 1000 for float32, 1 in 100 for bfloat16), and the score is kept at or above 0 (a CUSUM, Page's test): a failed
-rollout adds log(p1/p0) (6.2 at the defaults), a passed one log((1-p1)/(1-p0)) (-0.69). The worker is
-evicted once the score reaches `evict_at` (log 1/alpha: 13.8 for alpha 1e-6, the chance an honest
-worker at p0 ever crosses it over a run's worth of rollouts is of that order).
+"honest" (`honest_reject_rate` of the worker's dtype: 1 in 1000 for float32, 1 in 100 for bfloat16),
+and the score is kept at or above 0 (a CUSUM, Page's test): for float32 a failed rollout adds
+log(p1/p0) (6.2), a passed one log((1-p1)/(1-p0)) (-0.69). The worker is evicted once the score
+reaches `evict_at` (log 1/alpha: 13.8 for alpha 1e-6).
 
-So a worker whose every rollout fails is evicted within its first 3 failed rollouts (one submission
-of 8 does it), one honest false reject among passes costs nothing lasting, and a worker cheating on
-a fraction of its rollouts is evicted when that fraction is above ~10% (below, its failed rollouts are
-simply dropped: they never enter a batch). Malformed submissions evict at once: no honest worker sends
-one.
+So a worker whose every rollout fails is evicted at its first submission of 8, one honest false
+reject among passes costs nothing lasting, and a worker cheating on a fraction of its rollouts is
+evicted when that fraction is above ~10% (below, its failed rollouts are simply dropped: they never
+enter a batch). Malformed submissions evict at once: no honest worker sends one.
 
 Drift: a systematic bias too small to fail one rollout (weights one tiny step stale, a slightly
-different kernel) still shows in how often a passed rollout's proof differs from the recomputation at
-all. Calibration bounds that share for honest workers of each dtype (`Limits.deviation_rate`: 2% at
-least, the margin over the worst condition); a second CUSUM tests the worker's own share against it,
-tuned to a cheater at `drift_ratio` times the bound, and evicts at the same `evict_at`. Measured on the
-tiny policy: honest rollouts deviate 4% of the time, weights one AdamW step at lr 3e-8 stale 38% (7 of
-16 of those pass one by one), so they are evicted after ~45 rollouts. Where honest rollouts mostly
-deviate anyway (bfloat16 workers: the bound is over `drift_above`), this test is off: it would need a
-statistic of the deviation's size.
+different kernel) still shows in how often a passed rollout's chunk proof differs from the
+recomputation at all. Calibration bounds that share for honest workers of each dtype
+(`Limits.deviation_rate`: the margin over the share pooled across its conditions, 2% at least); a
+second CUSUM tests the worker's own share against it, tuned to a cheater at `drift_ratio` times the
+bound, and evicts at the same `evict_at`. Measured on the tiny policy (launch/bench/toploc_workers.py):
+honest float32 chunks differ 0.94-1.36% of the time against a bound of 2%; weights one AdamW step at
+lr 1e-8 stale, every rollout passing, 8.1%: evicted after 72 rollouts in one run of 192. Where honest
+chunks mostly differ anyway (bfloat16 workers: the bound is over `drift_above`), this test is off: it
+would need a statistic of the difference's size.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class RolloutEvidence(BaseModel):
 
     drift_ratio: float = Field(4.0, gt=1, description="The drift test is tuned to a worker whose passed rollouts "
                                "deviate this many times as often as the honest bound (Limits.deviation_rate).")
-    drift_above: float = Field(0.25, gt=0, le=1, description="An honest bound above this share turns the drift test off "
-                               "for that dtype (bfloat16 workers deviate nearly always).")
+    drift_above: float = Field(0.25, gt=0, le=1, description="An honest bound above this share turns the drift "
+                               "test off for that dtype (bfloat16 workers deviate nearly always).")
 
     @model_validator(mode="after")
     def _ordered(self) -> "RolloutEvidence":
