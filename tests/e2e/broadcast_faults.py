@@ -33,6 +33,12 @@ def main() -> int:
                              BroadcastSettings(host="127.0.0.1", chunk_mb=args.chunk_mb))
     if args.role == "liar":
         member.fetch()
+        # Its own download may still hold a standing stream to its own server (it did not know its address
+        # until its first `have` was answered): lying before that stream ends would make it report, and
+        # ban, itself before any client asks it (seen once under load).
+        while not member.address:
+            time.sleep(0.05)
+        time.sleep(1.0)
         member.server.chunk_filter = lambda kind, version, index, data: bytes(b ^ 0xA5 for b in data[:32]) + data[32:]
     else:
         member.server.before_chunk = lambda kind, version, index: time.sleep(args.delay_s)

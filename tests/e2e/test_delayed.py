@@ -156,9 +156,12 @@ def test_streaming_fragments_take_turns_and_nodes_stay_identical(tmp_path, corpu
 
 def test_streaming_join_replays_fragment_updates(tmp_path, corpus):
     c, late, caught, _ = join_midway(tmp_path, corpus, steps=90, after=4, extra=STREAMING)
-    assert len(caught) == 1 and caught[0]["replayed"] >= 1, caught  # fragment updates replayed
+    assert caught[0]["replayed"] >= 1, caught  # fragment updates replayed
+    # One snapshot; a joiner still too slow for the round after it replays that one too, without a snapshot
+    # (by design; seen once in a full run under load: left out of round 22 after a 0.3 s wait, replayed 22-24).
+    assert all(r["snapshot_bytes"] == 0 for r in caught[1:]), caught
     first = min(late)
-    assert first == caught[0]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught)
+    assert first == caught[-1]["caught_up_to"] + 1 and late[first]["members"] == 3, (first, caught)
     assert_identical(c, ["node0", "node1", "late"], range(first, 46))
     assert_exactly_once(c, corpus)
 

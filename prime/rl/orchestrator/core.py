@@ -261,10 +261,10 @@ class Orchestrator:
         verdicts = verifier.verify(claims)
         verify_s = time.perf_counter() - started
         rejected = [(i, v) for i, v in enumerate(verdicts) if not v.accepted]
+        bound = getattr(verifier.thresholds.limits.get(dtype), "deviation_rate", None)  # none if not calibrated
         with self.lock:
             self.counters.of(worker).verify_s += verify_s
-            score, drifted = self.config.evidence.judge(self.counters.of(worker), verdicts,
-                                                        verifier.thresholds.limits[dtype].deviation_rate, dtype)
+            score, drifted = self.config.evidence.judge(self.counters.of(worker), verdicts, bound, dtype)
         if drifted:
             return self._evict(lease, expected, drifted)
         if rejected:  # a stale lease's rollouts too: garbage is punished wherever it is sent
