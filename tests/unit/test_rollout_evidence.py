@@ -36,7 +36,8 @@ def _rollouts_to_eviction(evidence: RolloutEvidence, submissions, bound: float |
 
 
 def test_honest_noise_never_evicts_and_a_drift_hidden_in_every_rollout_does():
-    evidence, rng = RolloutEvidence(), random.Random(0)
+    """With the drift test on (off by default: chunks of one GRPO group differ together, see evidence.py)."""
+    evidence, rng = RolloutEvidence(drift=True), random.Random(0)
     # Honest: chunks deviate at the measured 0.94% (tiny policy), a rollout fails at 1 in 1000; bound 2%.
     for seed in range(5):
         honest = _submissions(random.Random(seed), deviation=0.0094, failure=1e-3)

@@ -24,6 +24,11 @@ honest float32 chunks differ 0.94-1.36% of the time against a bound of 2%; weigh
 lr 1e-8 stale, every rollout passing, 8.1%: evicted after 72 rollouts in one run of 192. Where honest
 chunks mostly differ anyway (bfloat16 workers: the bound is over `drift_above`), this test is off: it
 would need a statistic of the difference's size.
+
+The drift test is off by default (`drift`): it counts chunks as independent, but the samples of a GRPO
+group share their prompt and their chunks differ together. In rl_adversarial (digit policy, bound 25%)
+an honest worker whose chunks differed 1.8% of the time was evicted after two groups in a row differed.
+Counting per prompt group, and calibrating that, is still to do.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class RolloutEvidence(BaseModel):
     evict_at: float = Field(13.8, gt=0, description="The score (log-likelihood ratio, log 1/alpha) at which a "
                             "worker is evicted (below log(cheat/honest rate): on the first failed rollout).")
 
+    drift: bool = Field(False, description="Run the drift test. Off by default: it counts chunks as independent, "
+                        "but a GRPO group's samples share their prompt and deviate together; rl_adversarial evicted an "
+                        "honest worker whose chunks differed 1.8% of the time against a 25% bound (two groups in a row).")
     drift_ratio: float = Field(4.0, gt=1, description="The drift test is tuned to a worker whose passed rollouts "
                                "deviate this many times as often as the honest bound (Limits.deviation_rate).")
     drift_above: float = Field(0.25, gt=0, le=1, description="An honest bound above this share turns the drift "
@@ -93,7 +101,7 @@ class RolloutEvidence(BaseModel):
         """Adds passed rollouts' chunks to the worker's drift score (deviating first); its peak. 0 when the
         dtype's thresholds bound no share, or too high a one for the test to tell anything."""
         stats.deviating, stats.compared = stats.deviating + deviating, stats.compared + deviating + clean
-        if honest_rate is None or honest_rate > self.drift_above:
+        if not self.drift or honest_rate is None or honest_rate > self.drift_above:
             return 0.0
         p0, p1 = honest_rate, min(0.9, self.drift_ratio * honest_rate)
         score = stats.drift + deviating * math.log(p1 / p0)
