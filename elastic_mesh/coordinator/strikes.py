@@ -44,6 +44,3 @@ class Strikes:
                     self.members.evict(other.node_id)
                     self.state.event(f"{other.name} evicted: token {holder} is banned after {count} strikes")
             log.warning("token %s banned after %d strikes", holder, count)
-
-    def banned(self, token_id: str) -> bool:
-        return self.state.strikes_of(token_id) >= self.config.max_strikes
